@@ -1,0 +1,20 @@
+"""fitlib: train PyTorch models with one small loop; everything else is a callback."""
+
+from fitlib import metrics
+from fitlib.callback import Callback, CallbackHandler
+from fitlib.core import DataBunch, fit, loss_batch, validate
+from fitlib.learner import Learner
+from fitlib.optim import HPOptimizer
+
+__version__ = "0.1.0"
+__all__ = [
+    "Callback",
+    "CallbackHandler",
+    "DataBunch",
+    "HPOptimizer",
+    "Learner",
+    "fit",
+    "loss_batch",
+    "metrics",
+    "validate",
+]

@@ -1,0 +1,346 @@
+"""Callbacks and the handler that runs them between the lines of the loop.
+
+The handler keeps one state dict and passes it to every hook as keyword
+arguments. A hook changes training by returning a dict of updates; later
+callbacks of the same event see them.
+
+State keys (the only keys a hook may return):
+
+==================  ==========================================================
+key                 meaning
+==================  ==========================================================
+model               the ``nn.Module`` being trained
+opt                 the optimizer (an ``HPOptimizer`` when ``fit`` drives it)
+data                the data object (``train_dl``, ``valid_dl``)
+loss_func           the loss function, called as ``loss_func(out, *targets)``
+metrics             the ``fitlib.metrics.Metrics`` of the run (``.names``)
+n_epochs            the number of epochs ``fit`` was asked for
+epoch               the current epoch, 0-based
+iteration           training batches finished since ``fit`` began (so, inside a
+                    batch's hooks, the 0-based index of that batch)
+num_batch           the 0-based index of the batch within the current loader
+train               True for training batches, False for validation batches
+last_input          the current batch's inputs, on the model's device
+last_target         the current batch's targets, on the model's device
+last_output         the model's output for the current batch
+last_loss           the current batch's loss: the graph-carrying tensor from
+                    ``on_backward_begin`` to ``on_step_end``, detached in
+                    ``on_batch_end``
+smooth_loss         debiased exponential moving average of the training loss
+                    (beta 0.98) since ``fit`` began, a detached device tensor
+last_metrics        ``[valid_loss, *metric values]`` as device tensors after
+                    validation, ``None`` when validation was skipped
+stop_epoch          set True to end the current epoch after this batch
+stop_training       set True to end training after this batch or epoch
+skip_bwd            set True in ``on_backward_begin`` to skip ``backward()``
+skip_step           set True by ``on_backward_end`` to skip ``opt.step()``
+skip_zero           set True by ``on_step_end`` to keep the gradients
+skip_validate       set True before ``on_epoch_end`` to skip this validation
+==================  ==========================================================
+
+``on_train_end`` also receives ``exception``: the exception that ended
+training, or ``None``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+EVENTS = (
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_batch_begin",
+    "on_loss_begin",
+    "on_backward_begin",
+    "on_backward_end",
+    "on_step_end",
+    "on_batch_end",
+    "on_epoch_end",
+    "on_train_end",
+)
+
+STATE_KEYS = (
+    "model",
+    "opt",
+    "data",
+    "loss_func",
+    "metrics",
+    "n_epochs",
+    "epoch",
+    "iteration",
+    "num_batch",
+    "train",
+    "last_input",
+    "last_target",
+    "last_output",
+    "last_loss",
+    "smooth_loss",
+    "last_metrics",
+    "stop_epoch",
+    "stop_training",
+    "skip_bwd",
+    "skip_step",
+    "skip_zero",
+    "skip_validate",
+)
+_VALID_KEYS = frozenset(STATE_KEYS)
+_SMOOTH_BETA = 0.98
+
+
+class Callback:
+    """Base class: override the hooks you need; the others cost nothing.
+
+    A hook receives the whole state as keyword arguments and may return a dict
+    of updates to it (see the module docstring for the keys).
+
+    Example:
+        >>> class StopAfter(Callback):
+        ...     def __init__(self, n):
+        ...         self.n = n
+        ...     def on_batch_end(self, iteration, **kwargs):
+        ...         if iteration + 1 >= self.n:
+        ...             return {"stop_training": True}
+    """
+
+    order: int = 0
+
+    @property
+    def name(self) -> str:
+        """The class name, used in messages and tables."""
+        return type(self).__name__
+
+    def on_train_begin(self, **kwargs: Any) -> dict | None:
+        """Runs once, before the first epoch."""
+
+    def on_epoch_begin(self, **kwargs: Any) -> dict | None:
+        """Runs at the start of every epoch."""
+
+    def on_batch_begin(self, **kwargs: Any) -> dict | None:
+        """Runs for every batch (training and validation) before the forward."""
+
+    def on_loss_begin(self, **kwargs: Any) -> dict | None:
+        """Runs after the forward pass, before the loss is computed."""
+
+    def on_backward_begin(self, **kwargs: Any) -> dict | None:
+        """Runs after the loss is computed, before ``backward()`` (training)."""
+
+    def on_backward_end(self, **kwargs: Any) -> dict | None:
+        """Runs after ``backward()``, before ``opt.step()`` (training)."""
+
+    def on_step_end(self, **kwargs: Any) -> dict | None:
+        """Runs after ``opt.step()``, before ``opt.zero_grad()`` (training)."""
+
+    def on_batch_end(self, **kwargs: Any) -> dict | None:
+        """Runs at the end of every batch (training and validation)."""
+
+    def on_epoch_end(self, **kwargs: Any) -> dict | None:
+        """Runs after validation at the end of every epoch."""
+
+    def on_train_end(self, **kwargs: Any) -> dict | None:
+        """Runs once at the end, also after an error (``exception`` is set)."""
+
+    def state_dict(self) -> dict:
+        """What must be saved to resume this callback: plain values only."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what ``state_dict`` returned."""
+
+    def __repr__(self) -> str:
+        return f"{self.name}(order={self.order})"
+
+
+def _overrides(cb: Callback, event: str) -> bool:
+    return getattr(type(cb), event) is not getattr(Callback, event)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Adds ``note`` to ``exc`` so its traceback says where it came from."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):  # Python 3.10
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+
+
+def _check_callbacks(callbacks: Iterable[Any]) -> list[Callback]:
+    callbacks = list(callbacks)
+    for cb in callbacks:
+        if isinstance(cb, type) and issubclass(cb, Callback):
+            raise TypeError(
+                f"callbacks: got the class {cb.__name__}, not an instance. "
+                f"Fix: pass {cb.__name__}() instead."
+            )
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"callbacks: {cb!r} (type {type(cb).__name__}) is not a "
+                "fitlib.Callback. Fix: subclass fitlib.Callback and override "
+                "the hooks you need."
+            )
+    return callbacks
+
+
+class CallbackHandler:
+    """Keeps the training state and calls the callbacks' hooks in ``order``.
+
+    Callbacks are sorted once (stably, lower ``order`` first). For each event
+    the handler lists, once, the callbacks that override that hook, so an
+    event nobody overrides costs one empty loop.
+
+    Example:
+        >>> handler = CallbackHandler([Recorder()])
+        >>> fit(2, model, loss_func, opt, data, callbacks=handler.callbacks)
+    """
+
+    def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
+        cbs = _check_callbacks(callbacks or [])
+        self.callbacks = sorted(cbs, key=lambda cb: cb.order)
+        self._hooks = {
+            ev: [(cb, getattr(cb, ev)) for cb in self.callbacks if _overrides(cb, ev)]
+            for ev in EVENTS
+        }
+        self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
+        self.state.update(epoch=0, iteration=0, num_batch=0, train=False)
+        self.interrupted = False
+        self._n_smoothed = 0
+
+    def __call__(self, event: str, **extra: Any) -> None:
+        """Calls ``event`` on every callback that overrides it."""
+        kwargs = {**self.state, **extra} if extra else self.state
+        for cb, hook in self._hooks[event]:
+            try:
+                update = hook(**kwargs)
+            except Exception as e:
+                add_note(e, f"fitlib: raised in callback {cb.name}.{event}")
+                raise
+            if update is not None:
+                self._apply(cb, event, update)
+
+    def _apply(self, cb: Callback, event: str, update: Any) -> None:
+        if not isinstance(update, dict):
+            raise TypeError(
+                f"{cb.name}.{event} returned {type(update).__name__} "
+                f"({update!r}); a hook returns None or a dict of state updates."
+            )
+        unknown = update.keys() - _VALID_KEYS
+        if unknown:
+            raise ValueError(
+                f"{cb.name}.{event} returned unknown state key(s) "
+                f"{sorted(unknown)}; valid keys are: {', '.join(STATE_KEYS)}."
+            )
+        self.state.update(update)
+
+    # The per-batch methods below assign keys one by one and skip events that no
+    # callback overrides: this is the hot path, run six times per batch.
+    def on_train_begin(self, n_epochs: int, **state: Any) -> None:
+        self.state.update(state, n_epochs=n_epochs, stop_training=False)
+        self("on_train_begin")
+
+    def on_epoch_begin(self) -> None:
+        self.state.update(num_batch=0, stop_epoch=False, skip_validate=False)
+        self("on_epoch_begin")
+
+    def on_batch_begin(self, xb: Any, yb: Any, train: bool = True) -> tuple:
+        state = self.state
+        if train is not state["train"]:  # a new loader: validation after training
+            state["num_batch"] = 0
+        state["last_input"], state["last_target"], state["train"] = xb, yb, train
+        if train:
+            state["skip_bwd"] = state["skip_step"] = state["skip_zero"] = False
+        if self._hooks["on_batch_begin"]:
+            self("on_batch_begin")
+        return state["last_input"], state["last_target"]
+
+    def on_loss_begin(self, out: Any) -> Any:
+        self.state["last_output"] = out
+        if self._hooks["on_loss_begin"]:
+            self("on_loss_begin")
+        return self.state["last_output"]
+
+    def on_backward_begin(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        self.state["last_loss"] = loss
+        if self._hooks["on_backward_begin"]:
+            self("on_backward_begin")
+        return self.state["last_loss"], self.state["skip_bwd"]
+
+    def on_backward_end(self) -> bool:
+        if self._hooks["on_backward_end"]:
+            self("on_backward_end")
+        return self.state["skip_step"]
+
+    def on_step_end(self) -> bool:
+        if self._hooks["on_step_end"]:
+            self("on_step_end")
+        return self.state["skip_zero"]
+
+    def on_batch_end(self, loss: torch.Tensor) -> bool:
+        """Returns True when the epoch must end after this batch."""
+        state = self.state
+        state["last_loss"] = loss
+        train = state["train"]
+        if train:
+            state["smooth_loss"] = self._smooth(state["smooth_loss"], loss)
+        if self._hooks["on_batch_end"]:
+            self("on_batch_end")
+        if train:
+            state["iteration"] += 1
+        state["num_batch"] += 1
+        if self.interrupted:
+            raise KeyboardInterrupt("training stopped after the batch in progress")
+        return state["stop_epoch"] or state["stop_training"]
+
+    def _smooth(self, smooth: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+        # A debiased moving average, avg_n / (1 - beta**n), in one device op:
+        # it is a lerp towards the new loss with weight (1-beta) / (1-beta**n).
+        self._n_smoothed += 1
+        loss = loss if loss.dtype == torch.float32 else loss.float()
+        if smooth is None:
+            return loss
+        weight = (1 - _SMOOTH_BETA) / (1 - _SMOOTH_BETA**self._n_smoothed)
+        return torch.lerp(smooth, loss, weight)
+
+    def on_epoch_end(self, val_metrics: list[torch.Tensor] | None) -> bool:
+        """Returns True when training must stop."""
+        self.state["last_metrics"] = val_metrics
+        self("on_epoch_end")
+        self.state["epoch"] += 1
+        return self.state["stop_training"]
+
+    def on_train_end(self, exception: BaseException | None) -> None:
+        self("on_train_end", exception=exception)
+
+    @contextmanager
+    def deferred_interrupt(self) -> Iterator[None]:
+        """Makes a first Ctrl-C stop training after the batch in progress.
+
+        Stopping between batches means an optimizer step is never cut in half,
+        so the model and optimizer stay usable; a second Ctrl-C interrupts at
+        once. Only the main thread can own signals, elsewhere this does nothing.
+        """
+        previous = signal.getsignal(signal.SIGINT)
+        own = (
+            threading.current_thread() is threading.main_thread()
+            and previous is signal.default_int_handler
+        )
+
+        def request_stop(signum: int, frame: Any) -> None:
+            self.interrupted = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print(
+                "fitlib: stopping after this batch (Ctrl-C again to force).",
+                file=sys.stderr,
+            )
+
+        if own:
+            signal.signal(signal.SIGINT, request_stop)
+        try:
+            yield
+        finally:
+            if own:
+                signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,354 @@
+"""The training loop: ``fit``, ``loss_batch``, ``validate`` and ``DataBunch``.
+
+Skip the ``cb_handler`` lines and ``fit`` is the plain PyTorch loop. Every
+other feature is a callback (see ``fitlib.callback``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitlib.callback import Callback, CallbackHandler, add_note
+from fitlib.metrics import Metrics, accumulation_dtype
+
+LossFunc = Callable[..., torch.Tensor]
+_WRAPPABLE = (TypeError, ValueError, RuntimeError, IndexError)
+
+
+def fit(
+    epochs: int,
+    model: nn.Module,
+    loss_func: LossFunc,
+    opt: Any,
+    data: Any,
+    callbacks: Iterable[Callback] | None = None,
+    metrics: list | None = None,
+) -> None:
+    """Trains ``model`` for ``epochs`` epochs, validating after each.
+
+    Args:
+        epochs: number of epochs (a positive int).
+        model: the model; batches are moved to the device of its parameters.
+        loss_func: called as ``loss_func(output, *targets)``; returns a scalar.
+        opt: an ``HPOptimizer`` (or anything with ``step`` and ``zero_grad``).
+        data: an object with ``train_dl`` and optionally ``valid_dl``.
+        callbacks: ``Callback`` instances, run in ``order``.
+        metrics: computed over the validation set each epoch.
+
+    Example:
+        >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        >>> fit(3, model, F.cross_entropy, opt, DataBunch(train_dl, valid_dl))
+    """
+    device = _check_fit_args(epochs, model, loss_func, opt, data)
+    metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
+    state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
+    cb_handler = CallbackHandler(callbacks)
+    valid_dl = getattr(data, "valid_dl", None)
+    exception = None
+    try:
+        with cb_handler.deferred_interrupt():
+            cb_handler.on_train_begin(epochs, **state)
+            for _ in range(cb_handler.state["epoch"], epochs):
+                model.train()
+                cb_handler.on_epoch_begin()
+                for xb, yb in batches(data.train_dl, device, "train_dl"):
+                    xb, yb = cb_handler.on_batch_begin(xb, yb)
+                    loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
+                    if cb_handler.on_batch_end(loss):
+                        break
+                val_metrics = None
+                if valid_dl is not None and not cb_handler.state["skip_validate"]:
+                    val_metrics = validate(
+                        model, valid_dl, loss_func, cb_handler, metrics
+                    )
+                if cb_handler.on_epoch_end(val_metrics):
+                    break
+    except BaseException as e:
+        exception = e
+        raise
+    finally:
+        cb_handler.on_train_end(exception)
+
+
+def loss_batch(
+    model: nn.Module,
+    xb: Any,
+    yb: Any,
+    loss_func: LossFunc,
+    opt: Any = None,
+    cb_handler: CallbackHandler | None = None,
+) -> torch.Tensor:
+    """Forward, loss and, when ``opt`` is given, backward, step and zero_grad.
+
+    Returns the loss, detached (a device tensor: reading it is up to you).
+
+    Example:
+        >>> loss = loss_batch(model, xb, yb, F.cross_entropy, opt)
+    """
+    cb_handler = cb_handler or CallbackHandler()
+    out = cb_handler.on_loss_begin(_forward(model, xb))
+    loss = _compute_loss(loss_func, out, yb)
+    if opt is not None:
+        loss, skip_bwd = cb_handler.on_backward_begin(loss)
+        if not skip_bwd:
+            loss.backward()
+        if not cb_handler.on_backward_end():
+            opt.step()
+        if not cb_handler.on_step_end():
+            opt.zero_grad()
+    return loss.detach()
+
+
+def validate(
+    model: nn.Module,
+    dl: Iterable,
+    loss_func: LossFunc,
+    cb_handler: CallbackHandler | None = None,
+    metrics: list | Metrics | None = None,
+) -> list[torch.Tensor]:
+    """Returns ``[valid_loss, *metrics]`` over ``dl`` as device tensors.
+
+    The loss is averaged over samples (weighted by batch size), so a ragged
+    last batch counts exactly; metrics are accumulated on the device.
+
+    Example:
+        >>> valid_loss, acc = validate(model, valid_dl, F.cross_entropy,
+        ...                            metrics=[accuracy])
+    """
+    metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
+    cb_handler = cb_handler or CallbackHandler()
+    device = model_device(model)
+    model.eval()
+    metrics.reset()
+    total, count = torch.zeros((), dtype=accumulation_dtype(device), device=device), 0
+    with torch.no_grad():
+        for xb, yb in batches(dl, device, "valid_dl"):
+            xb, yb = cb_handler.on_batch_begin(xb, yb, train=False)
+            loss = loss_batch(model, xb, yb, loss_func, None, cb_handler)
+            n = batch_size(yb, xb)
+            total.add_(loss, alpha=n)
+            count += n
+            if metrics:
+                metrics.update(cb_handler.state["last_output"], _as_tuple(yb))
+            if cb_handler.on_batch_end(loss):
+                break
+    return [total / count, *metrics.compute()]
+
+
+class DataBunch:
+    """The training and validation loaders, and the device to train on.
+
+    Args:
+        train_dl: an iterable of ``(x, y)`` batches (e.g. a ``DataLoader``).
+        valid_dl: the same for validation, or None to skip validation.
+        device: where the ``Learner`` puts the model; None picks CUDA when
+            available, else the CPU. ``fit`` moves batches to the model's device.
+
+    Example:
+        >>> data = DataBunch(DataLoader(train_ds, 64, shuffle=True),
+        ...                  DataLoader(valid_ds, 128))
+    """
+
+    def __init__(
+        self,
+        train_dl: Iterable,
+        valid_dl: Iterable | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.train_dl, self.valid_dl = train_dl, valid_dl
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+
+    def __repr__(self) -> str:
+        sizes = {n: len_or_none(getattr(self, n)) for n in ("train_dl", "valid_dl")}
+        return f"DataBunch({sizes['train_dl']} train batches, {sizes['valid_dl']} valid batches, device={self.device})"  # noqa: E501
+
+
+# -- batches and devices -------------------------------------------------------
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a parameterless one)."""
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """Moves a tensor, or the tensors in a tuple/list/dict, to ``device``."""
+    if isinstance(x, torch.Tensor):
+        if x.device == device:
+            return x
+        # Asynchronous only towards CUDA: a copy to the host must be complete
+        # before Python reads it.
+        return x.to(device, non_blocking=device.type == "cuda")
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(o, device) for o in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tuple]:
+    """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their form."""
+    n = 0
+    for batch in dl:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                f"{name} yielded a batch of {describe(batch)}; fitlib needs each "
+                "batch to be an (x, y) pair (x: inputs, y: targets; either may be "
+                "a tuple of tensors). Fix: make the dataset return (x, y), or "
+                "wrap the loader, e.g. ((b['x'], b['y']) for b in dl)."
+            )
+        yield to_device(batch[0], device), to_device(batch[1], device)
+        n += 1
+    if n == 0:
+        raise ValueError(
+            f"{name} yielded no batches; fitlib needs at least one. Fix: check "
+            "the dataset's length, and drop_last=True with a dataset smaller "
+            "than the batch size."
+        )
+
+
+def batch_size(yb: Any, xb: Any = None) -> int:
+    """The number of samples in a batch, read from the targets (or inputs)."""
+    for part in (yb, xb):
+        t = part
+        while isinstance(t, (tuple, list)) and t:
+            t = t[0]
+        if isinstance(t, dict) and t:
+            t = next(iter(t.values()))
+        if isinstance(t, torch.Tensor) and t.ndim:
+            return t.shape[0]
+    return 1
+
+
+def describe(x: Any) -> str:
+    """A short description of a value for error messages: types and shapes."""
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, {str(x.dtype).replace('torch.', '')})"
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(describe(o) for o in x[:4]) + (", ..." if len(x) > 4 else "")
+        return f"{type(x).__name__}[{inner}] of length {len(x)}"
+    if isinstance(x, dict):
+        return "dict{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in x.items()) + "}"
+    return type(x).__name__
+
+
+def to_floats(scalars: list[torch.Tensor], extra: Iterable = ()) -> list[float]:
+    """0-dim tensors (one device), then ``extra``, as floats in one host transfer.
+
+    This is the one sync an epoch end needs: stack on the device, then copy.
+    """
+    groups = [list(scalars), [torch.as_tensor(v).reshape(()) for v in extra]]
+    groups = [g for g in groups if g]
+    if not groups:
+        return []
+    device = groups[0][0].device
+    dtype = accumulation_dtype(device)
+    # Stacking each group apart: one stack of mixed dtypes is 4x slower.
+    return torch.cat([torch.stack(g).to(device, dtype) for g in groups]).tolist()
+
+
+def weighted_mean(values: list[float], weights: list[int]) -> float:
+    """The mean of ``values`` weighted by ``weights`` (NaN when they sum to 0)."""
+    total = sum(weights)
+    if not total:
+        return math.nan
+    return sum(v * w for v, w in zip(values, weights, strict=True)) / total
+
+
+# -- one batch -----------------------------------------------------------------
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _forward(model: nn.Module, xb: Any) -> Any:
+    try:
+        if isinstance(xb, dict):
+            return model(**xb)
+        return model(*xb) if isinstance(xb, (tuple, list)) else model(xb)
+    except Exception as e:
+        add_note(e, f"fitlib: the model was called with input {describe(xb)}")
+        raise
+
+
+def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
+    try:
+        loss = loss_func(out, *_as_tuple(yb))
+    except _WRAPPABLE as e:
+        raise _loss_error(e, loss_func, out, yb) from e
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(
+            f"loss_func {_name(loss_func)} returned {describe(loss)}; fitlib "
+            "needs a scalar (0-dim) tensor to call backward(). Fix: reduce the "
+            "loss, e.g. reduction='mean', or return loss.mean()."
+        )
+    return loss
+
+
+def _loss_error(e: Exception, loss_func: LossFunc, out: Any, yb: Any) -> BaseException:
+    message = (
+        f"loss_func {_name(loss_func)} could not take the model output. fitlib "
+        f"called loss_func(output, *targets) with output {describe(out)} and "
+        f"targets {describe(_as_tuple(yb))}. Fix: make the model's output match "
+        "what the loss expects (e.g. one column per class for cross_entropy, "
+        "the target's shape for mse_loss), or pass a matching loss_func.\n"
+        f"The loss said: {e}"
+    )
+    if type(e) in _WRAPPABLE:
+        return type(e)(message)
+    add_note(e, message)  # a subclass (e.g. out of memory): keep its type
+    return e
+
+
+def _name(f: Any) -> str:
+    f = getattr(f, "func", f)  # functools.partial
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def len_or_none(dl: Any) -> int | None:
+    """``len(dl)``, or None for an iterable without a length."""
+    try:
+        return len(dl)
+    except TypeError:
+        return None
+
+
+# -- checks before training ----------------------------------------------------
+def _check_fit_args(
+    epochs: Any, model: Any, loss_func: Any, opt: Any, data: Any
+) -> torch.device:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+        raise ValueError(
+            f"epochs must be a positive int; got {epochs!r} "
+            f"({type(epochs).__name__}). Fix: pass e.g. epochs=3."
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
+    if not callable(loss_func):
+        raise TypeError(
+            f"loss_func must be callable as loss_func(output, *targets); got "
+            f"{loss_func!r}. Fix: pass e.g. torch.nn.functional.cross_entropy."
+        )
+    if not (hasattr(opt, "step") and hasattr(opt, "zero_grad")):
+        raise TypeError(
+            f"opt must have step() and zero_grad(); got {type(opt).__name__}. "
+            "Fix: pass fitlib.HPOptimizer(model.parameters(), torch.optim.SGD, lr)."
+        )
+    if not hasattr(data, "train_dl"):
+        raise TypeError(
+            f"data must have a train_dl attribute; got {type(data).__name__}. "
+            "Fix: wrap your loaders: fitlib.DataBunch(train_dl, valid_dl)."
+        )
+    for name in ("train_dl", "valid_dl"):
+        if len_or_none(getattr(data, name, None)) == 0:
+            raise ValueError(
+                f"data.{name} is empty (len 0); fitlib needs at least one batch. "
+                "Fix: check the dataset, and drop_last=True with a dataset "
+                "smaller than the batch size."
+            )
+    return model_device(model)

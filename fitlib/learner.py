@@ -1,0 +1,321 @@
+"""``Learner``: the convenience layer over ``fit`` for everyday training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from fitlib import metrics as fm
+from fitlib.callback import Callback
+from fitlib.callbacks.progress import ProgressBar
+from fitlib.callbacks.recorder import Recorder
+from fitlib.core import _as_tuple, _forward, batches, fit, to_device, validate
+from fitlib.optim import HPOptimizer
+from fitlib.serialization import atomic_save, load_model_state, safe_load
+
+LR = float | slice | Sequence[float]
+NORM_TYPES = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+)
+_CLASSIFICATION_LOSSES = (F.cross_entropy, F.nll_loss)
+_said: set[str] = set()
+
+
+class Learner:
+    """Bundles data, model, loss, optimizer and callbacks, and trains them.
+
+    The optimizer is created at the first ``fit`` and kept, with its state,
+    for the next ones. ``Recorder`` and ``ProgressBar`` are on by default.
+
+    Args:
+        data: a ``DataBunch`` (anything with ``train_dl``/``valid_dl``); the
+            model moves to ``data.device`` when it has one.
+        model: the model to train.
+        loss_func: called as ``loss_func(output, *targets)``.
+        opt_func: the torch optimizer class.
+        metrics: computed on the validation set each epoch; None picks a
+            default from the loss (accuracy for cross-entropy), [] none.
+        callbacks: extra callbacks for every ``fit``.
+        wd: weight decay.
+        true_wd: decouple weight decay from the gradient (AdamW style).
+        path: directory for ``save``/``load`` (files go to ``path/models``).
+        layer_groups: modules (or parameter lists) that get their own learning
+            rate, from the body to the head; None is one group.
+        train_bn: keep normalization layers trainable in frozen groups.
+        progress: show progress bars and the results table.
+
+    Example:
+        >>> learn = Learner(DataBunch(train_dl, valid_dl), model,
+        ...                 loss_func=F.cross_entropy, metrics=[accuracy])
+        >>> learn.fit(3, lr=1e-2)
+        >>> learn.recorder.plot_losses()
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        model: nn.Module,
+        loss_func: Callable[..., torch.Tensor] | None = None,
+        opt_func: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+        metrics: list | None = None,
+        callbacks: Iterable[Callback] | None = None,
+        wd: float = 1e-2,
+        true_wd: bool = True,
+        path: str | Path = ".",
+        layer_groups: Sequence[Any] | None = None,
+        train_bn: bool = True,
+        progress: bool = True,
+    ) -> None:
+        if not hasattr(data, "train_dl"):
+            raise TypeError(
+                f"data must have a train_dl attribute; got {type(data).__name__}. "
+                "Fix: Learner(DataBunch(train_dl, valid_dl), model, ...)."
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module; got {type(model)}.")
+        self.data, self.model = data, model
+        if getattr(data, "device", None) is not None:
+            self.model.to(data.device)
+        self.loss_func = _pick_loss(loss_func, data)
+        self.metrics = _default_metrics(self.loss_func) if metrics is None else metrics
+        self.opt_func, self.wd, self.true_wd = opt_func, wd, true_wd
+        self.path, self.train_bn, self.progress = Path(path), train_bn, progress
+        self.layer_groups = _split_groups(model, layer_groups)
+        self.callbacks = list(callbacks or [])
+        self.recorder = Recorder()
+        self.opt: HPOptimizer | None = None
+
+    # -- training --------------------------------------------------------------
+    def fit(
+        self,
+        epochs: int,
+        lr: LR = 1e-3,
+        wd: float | None = None,
+        callbacks: Iterable[Callback] | None = None,
+    ) -> None:
+        """Trains for ``epochs`` epochs at learning rate ``lr``.
+
+        ``lr`` may be a float, one value per layer group, or a ``slice``:
+        ``slice(lo, hi)`` spreads rates geometrically from the first group to
+        the last, ``slice(hi)`` gives the last group ``hi`` and the others
+        ``hi / 10``.
+        """
+        lrs = self.lr_range(lr)
+        self.create_opt(lrs, wd)
+        fit(
+            epochs,
+            self.model,
+            self.loss_func,
+            self.opt,
+            self.data,
+            callbacks=self._callbacks(callbacks),
+            metrics=self.metrics,
+        )
+
+    def create_opt(self, lr: LR, wd: float | None = None) -> HPOptimizer:
+        """Creates the optimizer on first use; afterwards only sets lr and wd."""
+        lrs, wd = self.lr_range(lr), self.wd if wd is None else wd
+        if self.opt is None:
+            groups = [{"params": params} for params in self.layer_groups]
+            self.opt = HPOptimizer(
+                groups, self.opt_func, lr=lrs, wd=wd, true_wd=self.true_wd
+            )
+        else:
+            self.opt.lr, self.opt.wd = lrs, wd
+        return self.opt
+
+    def _callbacks(self, extra: Iterable[Callback] | None) -> list[Callback]:
+        cbs = [self.recorder, *self.callbacks, *(extra or [])]
+        return [*cbs, ProgressBar()] if self.progress else cbs
+
+    def lr_range(self, lr: LR) -> list[float]:
+        """One learning rate per layer group from a float, slice or sequence."""
+        n = len(self.layer_groups)
+        if isinstance(lr, slice):
+            if lr.stop is None or (lr.start is not None and lr.start <= 0):
+                raise ValueError(
+                    f"lr: got {lr!r}; a slice needs a positive stop, and a "
+                    "positive start if any. Fix: lr=slice(1e-5, 1e-3)."
+                )
+            if lr.start is None:
+                return [lr.stop / 10] * (n - 1) + [lr.stop]
+            if n == 1:
+                return [lr.stop]
+            ratio = (lr.stop / lr.start) ** (1 / (n - 1))
+            return [lr.start * ratio**i for i in range(n)]
+        if isinstance(lr, (int, float)):
+            return [float(lr)] * n
+        return list(lr)
+
+    # -- freezing --------------------------------------------------------------
+    def freeze_to(self, n: int) -> None:
+        """Freezes the layer groups before ``n`` and unfreezes the rest.
+
+        Normalization layers stay trainable when ``train_bn`` is True.
+        """
+        norm = {
+            id(p)
+            for m in self.model.modules()
+            if isinstance(m, NORM_TYPES)
+            for p in m.parameters(recurse=False)
+        }
+        n_frozen = len(self.layer_groups[:n])
+        for i, group in enumerate(self.layer_groups):
+            for p in group:
+                p.requires_grad_(i >= n_frozen or (self.train_bn and id(p) in norm))
+
+    def freeze(self) -> None:
+        """Freezes every layer group but the last (the head)."""
+        self.freeze_to(-1)
+
+    def unfreeze(self) -> None:
+        """Makes every layer group trainable."""
+        self.freeze_to(0)
+
+    # -- evaluation ------------------------------------------------------------
+    def validate(self, dl: Iterable | None = None) -> dict[str, float]:
+        """Loss and metrics over ``dl`` (the validation set by default)."""
+        dl = self._loader(dl)
+        values = validate(self.model, dl, self.loss_func, metrics=self.metrics)
+        names = ["valid_loss", *fm.Metrics(self.metrics).names]
+        return dict(zip(names, torch.stack(values).tolist()))
+
+    def get_preds(
+        self, dl: Iterable | None = None, activation: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model outputs and targets over ``dl`` (validation set by default).
+
+        Outputs stay on the device until the end, then move to the CPU at once.
+        ``activation`` (e.g. ``partial(torch.softmax, dim=-1)``) is applied to
+        the outputs.
+        """
+        dl, device = self._loader(dl), next(self.model.parameters()).device
+        outs, targets = [], []
+        self.model.eval()
+        with torch.no_grad():
+            for xb, yb in batches(dl, device, "dl"):
+                outs.append(_forward(self.model, xb))
+                targets.append(_as_tuple(yb)[0])
+        preds = torch.cat(outs)
+        preds = activation(preds) if activation is not None else preds
+        return preds.cpu(), torch.cat(targets).cpu()
+
+    def predict(self, x: Any, activation: Callable | None = None) -> Any:
+        """The model's output for one item or a batch of items, on the CPU."""
+        device = next(self.model.parameters()).device
+        single = _is_single_item(x, self.data)
+        xb = _unsqueeze(x) if single else x
+        self.model.eval()
+        with torch.no_grad():
+            out = _forward(self.model, to_device(xb, device))
+        out = activation(out) if activation is not None else out
+        return out[0].cpu() if single else out.cpu()
+
+    def _loader(self, dl: Iterable | None) -> Iterable:
+        dl = self.data.valid_dl if dl is None else dl
+        if dl is None:
+            raise ValueError(
+                "there is no validation set (data.valid_dl is None). Fix: pass "
+                "a loader, e.g. learn.validate(dl=some_loader)."
+            )
+        return dl
+
+    # -- saving ----------------------------------------------------------------
+    def save(self, name: str | Path, with_opt: bool = True) -> Path:
+        """Saves the model (and optimizer) to ``path/models/name.pth`` atomically."""
+        state = {"model": self.model.state_dict()}
+        if with_opt and self.opt is not None:
+            state["opt"] = self.opt.state_dict()
+        return atomic_save(state, self._file(name))
+
+    def load(self, name: str | Path, with_opt: bool = True) -> Learner:
+        """Loads what ``save`` wrote: model weights and optimizer state."""
+        path = self._file(name)
+        state = safe_load(path, map_location=next(self.model.parameters()).device)
+        if not isinstance(state, dict) or "model" not in state:
+            raise ValueError(f"{str(path)!r} is not a Learner.save file.")
+        load_model_state(self.model, state["model"], repr(str(path)))
+        if with_opt and "opt" in state:
+            self.create_opt(1e-3).load_state_dict(state["opt"])
+        return self
+
+    def _file(self, name: str | Path) -> Path:
+        name = Path(name)
+        if name.suffix == ".pth" or name.parent != Path():
+            return name
+        return self.path / "models" / f"{name}.pth"
+
+
+def _pick_loss(loss_func: Callable | None, data: Any) -> Callable:
+    loss_func = loss_func or getattr(data, "loss_func", None)
+    if not callable(loss_func):
+        raise TypeError(
+            f"loss_func must be callable as loss_func(output, *targets); got "
+            f"{loss_func!r}. Fix: Learner(..., loss_func=F.cross_entropy)."
+        )
+    return loss_func
+
+
+def _default_metrics(loss_func: Callable) -> list:
+    is_clf = loss_func in _CLASSIFICATION_LOSSES or isinstance(
+        loss_func, (nn.CrossEntropyLoss, nn.NLLLoss)
+    )
+    if not is_clf:
+        return []
+    if "accuracy" not in _said:
+        _said.add("accuracy")
+        print(
+            "fitlib: no metrics given; reporting accuracy since the loss is "
+            "cross-entropy (pass metrics=[] for none)."
+        )
+    return [fm.accuracy]
+
+
+def _split_groups(model: nn.Module, groups: Sequence[Any] | None) -> list[list]:
+    groups = [model] if groups is None else list(groups)
+    out, seen = [], set()
+    for g in groups:
+        params = list(g.parameters()) if isinstance(g, nn.Module) else list(g)
+        out.append([p for p in params if id(p) not in seen])
+        seen.update(id(p) for p in params)
+    missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"layer_groups leave {len(missing)} model parameter(s) out, e.g. "
+            f"{missing[:3]}. Fix: put every part of the model in some group."
+        )
+    return out
+
+
+def _is_single_item(x: Any, data: Any) -> bool:
+    """Whether ``x`` lacks the batch dimension, judged from a dataset item."""
+    first = _first_tensor(x)
+    ds = getattr(getattr(data, "valid_dl", None) or data.train_dl, "dataset", None)
+    try:
+        item = _first_tensor(ds[0][0])
+    except Exception:  # no indexable dataset: take what was given as a batch
+        return False
+    return first is not None and item is not None and first.ndim == item.ndim
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    while isinstance(x, (tuple, list, dict)) and x:
+        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _unsqueeze(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.unsqueeze(0)
+    if isinstance(x, dict):
+        return {k: _unsqueeze(v) for k, v in x.items()}
+    return type(x)(_unsqueeze(o) for o in x)

@@ -1,0 +1,249 @@
+"""``HPOptimizer``: one interface to the hyper-parameters of any optimizer.
+
+Schedulers, the LR finder and mixed precision set ``lr``, ``mom``, ``wd`` and
+``beta`` through this wrapper and never need to know which torch optimizer is
+underneath. The mapping is read from the optimizer's parameter groups:
+
+==========  ==========================  ============================
+name        Adam, AdamW, NAdam, RAdam   SGD, RMSprop, others
+==========  ==========================  ============================
+lr          ``lr``                      ``lr``
+mom         ``betas[0]``                ``momentum``
+beta        ``betas[1]``                ``alpha`` (RMSprop)
+wd          ``weight_decay``            ``weight_decay``
+==========  ==========================  ============================
+
+With ``true_wd=True`` weight decay is decoupled from the gradient (AdamW
+style, ``p -= lr * wd * p`` before the step) for every optimizer: natively
+where the optimizer has a ``decoupled_weight_decay`` flag, by the wrapper
+otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+HyperParam = float | Sequence[float]
+_TRUE_WD_KEY = "fitlib_true_wd"  # stored in each group, so state_dict keeps it
+
+
+class HPOptimizer:
+    """Wraps a torch optimizer and exposes ``lr``, ``mom``, ``wd``, ``beta``.
+
+    Each hyper-parameter reads as a float when all parameter groups share it,
+    else as a list with one value per group; it can be set to a float (all
+    groups) or to a sequence with one value per group (discriminative rates).
+
+    Args:
+        params: parameters or parameter-group dicts, as for any torch optimizer.
+        opt_func: the optimizer class, e.g. ``torch.optim.SGD``.
+        lr: learning rate.
+        mom: momentum (SGD, RMSprop) or beta1 (Adam family); None keeps the
+            optimizer's default.
+        wd: weight decay.
+        beta: Adam's beta2 or RMSprop's alpha; None keeps the default.
+        true_wd: decouple weight decay from the gradient (AdamW style).
+
+    Example:
+        >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        >>> opt.lr = 0.01; opt.mom = 0.9; opt.wd = 1e-4
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        opt_func: Callable[..., torch.optim.Optimizer],
+        lr: HyperParam,
+        mom: HyperParam | None = None,
+        wd: HyperParam = 0.0,
+        beta: HyperParam | None = None,
+        true_wd: bool = False,
+    ) -> None:
+        _check_positive("lr", lr)
+        first_lr = lr if isinstance(lr, (int, float)) else lr[0]
+        self.opt = opt_func(params, lr=first_lr)
+        self.true_wd = true_wd
+        # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
+        self._native_wd = "decoupled_weight_decay" in self.opt.param_groups[0]
+        self.lr = lr
+        if mom is not None:
+            self.mom = mom
+        if beta is not None:
+            self.beta = beta
+        if wd or self.true_wd or self.has("wd"):
+            self.wd = wd
+
+    # -- the wrapped optimizer -------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.opt.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.opt.state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Applies decoupled weight decay (if the wrapper owns it), then steps."""
+        if self.true_wd and not self._native_wd:
+            self._decay()
+        return self.opt.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """The optimizer's state, hyper-parameters included, and ``true_wd``."""
+        return {"opt": self.opt.state_dict(), "true_wd": self.true_wd}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"opt", "true_wd"}:
+            raise ValueError(
+                "HPOptimizer.load_state_dict: expected the dict that "
+                f"HPOptimizer.state_dict() returns (keys 'opt', 'true_wd'), got "
+                f"keys {sorted(state)}. Fix: for a bare torch optimizer's state "
+                "use opt.opt.load_state_dict(state)."
+            )
+        self.opt.load_state_dict(state["opt"])
+        self.true_wd = state["true_wd"]
+
+    def __repr__(self) -> str:
+        hps = {k: getattr(self, k) for k in ("lr", "mom", "wd", "beta") if self.has(k)}
+        inner = type(self.opt).__name__
+        return f"HPOptimizer({inner}, true_wd={self.true_wd}, {hps})"
+
+    # -- hyper-parameters ------------------------------------------------------
+    def has(self, name: str) -> bool:
+        """Whether the wrapped optimizer has hyper-parameter ``name``."""
+        return self._key(name, raise_missing=False) is not None
+
+    def get(self, name: str) -> list[float]:
+        """The value of hyper-parameter ``name`` for every group."""
+        key, index = self._key(name)
+        return [_read(g, key, index) for g in self.param_groups]
+
+    def set(self, name: str, value: HyperParam) -> None:
+        """Sets hyper-parameter ``name`` (float, or one value per group)."""
+        key, index = self._key(name)
+        for group, v in zip(self.param_groups, self._per_group(name, value)):
+            _write(group, key, index, v)
+
+    @property
+    def lr(self) -> float | list[float]:
+        return _collapse(self.get("lr"))
+
+    @lr.setter
+    def lr(self, value: HyperParam) -> None:
+        _check_positive("lr", value)
+        self.set("lr", value)
+
+    @property
+    def mom(self) -> float | list[float]:
+        return _collapse(self.get("mom"))
+
+    @mom.setter
+    def mom(self, value: HyperParam) -> None:
+        self.set("mom", value)
+
+    @property
+    def beta(self) -> float | list[float]:
+        return _collapse(self.get("beta"))
+
+    @beta.setter
+    def beta(self, value: HyperParam) -> None:
+        self.set("beta", value)
+
+    @property
+    def wd(self) -> float | list[float]:
+        return _collapse(self.get("wd"))
+
+    @wd.setter
+    def wd(self, value: HyperParam) -> None:
+        values = self._per_group("wd", value)
+        if not self.true_wd:
+            self.set("wd", values)
+            return
+        for group, v in zip(self.param_groups, values):
+            group[_TRUE_WD_KEY] = v
+            if self._native_wd:
+                group["decoupled_weight_decay"] = True
+            if "weight_decay" in group:
+                group["weight_decay"] = v if self._native_wd else 0.0
+
+    # -- internals -------------------------------------------------------------
+    def _key(self, name: str, raise_missing: bool = True) -> tuple | None:
+        group = self.param_groups[0]
+        adam_like = "betas" in group
+        keys = {
+            "lr": ("lr", None),
+            "mom": ("betas", 0) if adam_like else ("momentum", None),
+            "beta": ("betas", 1) if adam_like else ("alpha", None),
+            "wd": (_TRUE_WD_KEY, None) if self.true_wd else ("weight_decay", None),
+        }
+        if name not in keys:
+            raise ValueError(
+                f"unknown hyper-parameter {name!r}; HPOptimizer knows "
+                "'lr', 'mom', 'wd' and 'beta'."
+            )
+        key, index = keys[name]
+        if key in group or (key == _TRUE_WD_KEY and name == "wd"):
+            return key, index
+        if not raise_missing:
+            return None
+        has = [n for n in ("lr", "mom", "wd", "beta") if n != name and self.has(n)]
+        raise ValueError(
+            f"{type(self.opt).__name__} has no hyper-parameter {name!r} (it would "
+            f"map to param_group[{key!r}]). It has: {', '.join(has)}. Fix: do not "
+            f"set {name!r} (e.g. drop a momentum schedule), or use an optimizer "
+            "that has it."
+        )
+
+    def _per_group(self, name: str, value: HyperParam) -> list[float]:
+        n = len(self.param_groups)
+        if isinstance(value, (int, float)):
+            return [float(value)] * n
+        values = [float(v) for v in value]
+        if len(values) != n:
+            raise ValueError(
+                f"{name}: got {len(values)} values {values} for {n} parameter "
+                f"group(s). Fix: pass one float, or exactly {n} values."
+            )
+        return values
+
+    @torch.no_grad()
+    def _decay(self) -> None:
+        for group in self.param_groups:
+            factor = 1.0 - group["lr"] * group.get(_TRUE_WD_KEY, 0.0)
+            if factor != 1.0:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.mul_(factor)
+
+
+def _read(group: dict, key: str, index: int | None) -> float:
+    value = group.get(key, 0.0)
+    return float(value if index is None else value[index])
+
+
+def _write(group: dict, key: str, index: int | None, value: float) -> None:
+    if index is None:
+        group[key] = value
+    else:
+        pair = list(group[key])
+        pair[index] = value
+        group[key] = tuple(pair)
+
+
+def _collapse(values: list[float]) -> float | list[float]:
+    return values[0] if all(v == values[0] for v in values) else values
+
+
+def _check_positive(name: str, value: HyperParam) -> None:
+    values = [value] if isinstance(value, (int, float)) else list(value)
+    if not values or any(not isinstance(v, (int, float)) or v <= 0 for v in values):
+        raise ValueError(
+            f"{name} must be a positive number (or one per parameter group); got "
+            f"{value!r}. Fix: pass e.g. {name}=1e-3."
+        )

@@ -1,0 +1,44 @@
+"""Tiny synthetic problems shared by the tests: each trains in well under a second."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fitlib import DataBunch
+
+
+def make_dataset(n: int = 100, d: int = 8, n_classes: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return TensorDataset(x, y.clamp(max=n_classes - 1))
+
+
+def make_model(d: int = 8, n_classes: int = 3, seed: int = 0) -> nn.Module:
+    """A model with batch norm and dropout, so parity tests cover both."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Linear(16, n_classes),
+    )
+
+
+def make_data(
+    n_train: int = 100, n_valid: int = 37, bs: int = 16, shuffle: bool = True
+) -> DataBunch:
+    train = make_dataset(n_train, seed=0)
+    valid = make_dataset(n_valid, seed=1)
+    return DataBunch(
+        DataLoader(train, bs, shuffle=shuffle),
+        DataLoader(valid, bs),
+        device="cpu",
+    )
+
+
+def clone_params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]

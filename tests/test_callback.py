@@ -1,0 +1,360 @@
+import os
+import signal
+
+import pytest
+import torch
+from helpers import clone_params, make_data, make_model
+from torch.nn import functional as F  # noqa: N812
+
+from fitlib import Callback, CallbackHandler, HPOptimizer, fit
+from fitlib.callback import EVENTS, STATE_KEYS
+
+
+def run(callbacks, epochs=1, data=None, model=None, lr=0.1):
+    model = model or make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=lr)
+    fit(epochs, model, F.cross_entropy, opt, data or make_data(), callbacks=callbacks)
+    return model
+
+
+class EveryHook(Callback):
+    def __init__(self):
+        self.events = []
+
+
+for _ev in EVENTS:
+    setattr(
+        EveryHook,
+        _ev,
+        lambda self, _ev=_ev, **kw: self.events.append((_ev, kw["train"])),
+    )
+
+
+def test_events_fire_in_the_documented_order():
+    cb = EveryHook()
+    data = make_data(n_train=32, n_valid=16, bs=16)
+    run([cb], data=data)
+    train = [
+        "on_batch_begin",
+        "on_loss_begin",
+        "on_backward_begin",
+        "on_backward_end",
+        "on_step_end",
+        "on_batch_end",
+    ]
+    valid = ["on_batch_begin", "on_loss_begin", "on_batch_end"]
+    expected = ["on_train_begin", "on_epoch_begin", *train * 2, *valid]
+    expected += ["on_epoch_end", "on_train_end"]
+    assert [e for e, _ in cb.events] == expected
+    flags = [t for e, t in cb.events if e == "on_batch_end"]
+    assert flags == [True, True, False]
+
+
+def test_callback_overriding_only_epoch_end_is_never_called_per_batch(monkeypatch):
+    def boom(self, **kwargs):
+        raise AssertionError("a hook nobody overrides was dispatched")
+
+    for ev in EVENTS:
+        if ev != "on_epoch_end":
+            monkeypatch.setattr(Callback, ev, boom)
+
+    class EpochOnly(Callback):
+        calls = 0
+
+        def on_epoch_end(self, **kwargs):
+            type(self).calls += 1
+
+    handler = CallbackHandler([EpochOnly()])
+    assert [ev for ev in EVENTS if handler._hooks[ev]] == ["on_epoch_end"]
+    run([EpochOnly()], epochs=3)
+    assert EpochOnly.calls == 3
+
+
+def test_callbacks_run_by_order_and_stably_for_equal_orders():
+    seen = []
+
+    class Named(Callback):
+        def __init__(self, name, order):
+            self.label, self.order = name, order
+
+        def on_train_begin(self, **kwargs):
+            seen.append(self.label)
+
+    cbs = [Named("a", 5), Named("b", 0), Named("c", 5), Named("d", -1)]
+    run(cbs)
+    assert seen == ["d", "b", "a", "c"]
+
+
+def test_returned_update_reaches_later_callbacks_and_the_loop():
+    class Double(Callback):
+        order = 0
+
+        def on_backward_begin(self, last_loss, **kwargs):
+            return {"last_loss": last_loss * 2}
+
+    class Check(Callback):
+        order = 1
+
+        def __init__(self):
+            self.pairs = []
+
+        def on_loss_begin(self, **kwargs):
+            pass
+
+        def on_backward_begin(self, last_loss, last_output, last_target, **kwargs):
+            self.pairs.append((last_loss, F.cross_entropy(last_output, last_target)))
+
+    check = Check()
+    data = make_data(n_train=16, n_valid=16, bs=16)
+    # skip the step so the gradient stays readable after the batch
+    grads = []
+
+    class KeepGrad(Callback):
+        order = 2
+
+        def on_backward_end(self, model, **kwargs):
+            grads.append(next(model.parameters()).grad.clone())
+            return {"skip_step": True}
+
+    model = make_model()
+    run([Double(), check, KeepGrad()], data=data, model=model)
+    loss, plain = check.pairs[0]
+    torch.testing.assert_close(loss, plain * 2)
+
+    model2 = make_model()
+    grads_plain = []
+
+    class KeepGrad2(KeepGrad):
+        def on_backward_end(self, model, **kwargs):
+            grads_plain.append(next(model.parameters()).grad.clone())
+            return {"skip_step": True}
+
+    run([KeepGrad2()], data=data, model=model2)
+    torch.testing.assert_close(grads[0], grads_plain[0] * 2)
+
+
+def test_unknown_state_key_names_the_callback_the_key_and_the_valid_keys():
+    class Typo(Callback):
+        def on_batch_end(self, **kwargs):
+            return {"stop_trainig": True}
+
+    with pytest.raises(ValueError, match=r"Typo\.on_batch_end") as info:
+        run([Typo()])
+    assert "stop_trainig" in str(info.value)
+    assert all(k in str(info.value) for k in ("stop_training", "last_loss"))
+
+
+def test_a_hook_returning_something_else_than_a_dict_is_a_type_error():
+    class Bad(Callback):
+        def on_epoch_end(self, **kwargs):
+            return True
+
+    with pytest.raises(TypeError, match=r"Bad\.on_epoch_end returned bool"):
+        run([Bad()])
+
+
+def test_exception_in_a_callback_names_it_and_on_train_end_still_runs():
+    ended = []
+
+    class Fails(Callback):
+        def on_step_end(self, **kwargs):
+            raise RuntimeError("boom")
+
+    class Watch(Callback):
+        def on_train_end(self, exception, **kwargs):
+            ended.append(exception)
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        run([Fails(), Watch()])
+    assert any("Fails.on_step_end" in note for note in info.value.__notes__)
+    assert isinstance(ended[0], RuntimeError)
+
+
+def test_on_train_end_receives_none_after_success():
+    got = []
+
+    class Watch(Callback):
+        def on_train_end(self, exception, **kwargs):
+            got.append(exception)
+
+    run([Watch()])
+    assert got == [None]
+
+
+def test_passing_a_callback_class_or_other_object_is_a_type_error():
+    with pytest.raises(TypeError, match=r"pass Callback\(\)"):
+        CallbackHandler([Callback])
+    with pytest.raises(TypeError, match=r"not a fitlib\.Callback"):
+        CallbackHandler([lambda: None])
+
+
+def test_state_holds_every_documented_key_in_every_hook():
+    keys = []
+
+    class Keys(Callback):
+        def on_batch_end(self, **kwargs):
+            keys.append(set(kwargs))
+
+    run([Keys()])
+    assert all(k >= set(STATE_KEYS) for k in keys)
+
+
+# -- control flags ---------------------------------------------------------------
+def _flag_cb(event, update, when=lambda it: True):
+    class Flag(Callback):
+        def __init__(self):
+            self.iterations = []
+
+    def hook(self, iteration, train, **kwargs):
+        if train:
+            self.iterations.append(iteration)
+        if train and when(iteration):
+            return dict(update)
+
+    setattr(Flag, event, hook)
+    return Flag()
+
+
+def test_stop_training_at_batch_end_stops_after_that_batch():
+    counter = _flag_cb("on_batch_end", {"stop_training": True}, lambda i: i == 2)
+    epochs = []
+
+    class Epochs(Callback):
+        def on_epoch_end(self, epoch, **kwargs):
+            epochs.append(epoch)
+
+    run([counter, Epochs()], epochs=3)
+    assert counter.iterations == [0, 1, 2]
+    assert epochs == [0]
+
+
+def test_stop_epoch_ends_only_the_current_epoch():
+    cb = _flag_cb("on_batch_end", {"stop_epoch": True})
+    run([cb], epochs=3)
+    assert cb.iterations == [0, 1, 2]  # one batch per epoch
+
+
+def test_skip_step_leaves_weights_unchanged():
+    model = make_model()
+    before = clone_params(model)
+    run([_flag_cb("on_backward_end", {"skip_step": True})], model=model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_skip_bwd_leaves_no_gradient():
+    grads = []
+
+    class Grad(Callback):
+        order = 1
+
+        def on_backward_end(self, model, **kwargs):
+            grads.append(next(model.parameters()).grad)
+
+    run([_flag_cb("on_backward_begin", {"skip_bwd": True}), Grad()])
+    assert grads and all(g is None for g in grads)
+
+
+def test_skip_zero_accumulates_gradients():
+    norms = []
+
+    class Grad(Callback):
+        order = 1
+
+        def on_backward_end(self, model, **kwargs):
+            norms.append(next(model.parameters()).grad.clone())
+            return {"skip_step": True}
+
+    data = make_data(n_train=32, bs=16, shuffle=False)
+    model = make_model()
+    model.eval()  # dropout off for a clean sum
+
+    class Eval(Callback):
+        def on_batch_begin(self, model, **kwargs):
+            model.eval()
+
+    run(
+        [Eval(), _flag_cb("on_step_end", {"skip_zero": True}), Grad()],
+        data=data,
+        model=model,
+    )
+    run([Eval(), Grad()], data=data, model=make_model())
+    accumulated, single = norms[:2], norms[2:]
+    torch.testing.assert_close(accumulated[1], single[0] + single[1])
+
+
+def test_skip_validate_skips_validation_and_last_metrics_is_none():
+    seen = []
+
+    class Skip(Callback):
+        def on_epoch_begin(self, epoch, **kwargs):
+            return {"skip_validate": epoch == 0}
+
+        def on_batch_begin(self, train, **kwargs):
+            if not train:
+                seen.append("valid")
+
+        def on_epoch_end(self, last_metrics, **kwargs):
+            seen.append(last_metrics)
+
+    run([Skip()], epochs=2)
+    assert seen[0] is None
+    assert "valid" in seen[1:] and isinstance(seen[-1], list)
+
+
+# -- Ctrl-C ------------------------------------------------------------------------
+def test_ctrl_c_stops_after_the_batch_in_progress_with_a_whole_step():
+    """SIGINT between backward and step: the step still happens, then it stops."""
+    ended = []
+
+    class CtrlC(Callback):
+        def on_backward_end(self, iteration, **kwargs):
+            if iteration == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def on_train_end(self, exception, **kwargs):
+            ended.append(exception)
+
+    data = make_data(shuffle=False)
+    interrupted = make_model()
+    with pytest.raises(KeyboardInterrupt):
+        run([CtrlC()], data=data, model=interrupted)
+    assert isinstance(ended[0], KeyboardInterrupt)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    reference = make_model()
+    stop = _flag_cb("on_batch_end", {"stop_training": True}, lambda i: i == 2)
+    skip = _flag_cb("on_epoch_begin", {"skip_validate": True})
+    run([stop, skip], data=data, model=reference)
+    for a, b in zip(interrupted.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_smooth_loss_is_the_debiased_moving_average_of_training_losses():
+    handler = CallbackHandler()
+    losses = [2.0, 1.0, 4.0, 0.5, 3.0]
+    avg, expected = 0.0, []
+    for n, value in enumerate(losses, start=1):
+        avg = 0.98 * avg + 0.02 * value
+        expected.append(avg / (1 - 0.98**n))
+        handler.on_batch_begin(None, None, train=True)
+        handler.on_batch_end(torch.tensor(value))
+        torch.testing.assert_close(
+            handler.state["smooth_loss"], torch.tensor(expected[-1])
+        )
+    handler.on_batch_begin(None, None, train=False)  # validation leaves it alone
+    handler.on_batch_end(torch.tensor(100.0))
+    torch.testing.assert_close(handler.state["smooth_loss"], torch.tensor(expected[-1]))
+
+
+def test_num_batch_counts_within_each_loader_and_iteration_across_epochs():
+    seen = []
+
+    class Count(Callback):
+        def on_batch_end(self, train, num_batch, iteration, **kwargs):
+            seen.append((train, num_batch, iteration))
+
+    run([Count()], epochs=2, data=make_data(n_train=32, n_valid=32, bs=16))
+    assert seen == [
+        (True, 0, 0), (True, 1, 1), (False, 0, 2), (False, 1, 2),
+        (True, 0, 2), (True, 1, 3), (False, 0, 4), (False, 1, 4),
+    ]  # fmt: skip

@@ -1,0 +1,206 @@
+import pytest
+import torch
+from helpers import make_data, make_model
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from fitlib import Learner
+from fitlib.metrics import accuracy
+from fitlib.serialization import atomic_save
+
+
+def learner(tmp_path, model=None, **kw):
+    kw.setdefault("metrics", [accuracy])
+    kw.setdefault("progress", False)
+    return Learner(
+        make_data(), model or make_model(), F.cross_entropy, path=tmp_path, **kw
+    )
+
+
+def body_head_model():
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+    return nn.Sequential(body, nn.Linear(16, 3))
+
+
+def snapshot(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def changed(before, module):
+    return [not torch.equal(a, b) for a, b in zip(before, module.parameters())]
+
+
+def test_save_load_round_trip_restores_predictions_and_optimizer(tmp_path):
+    learn = learner(tmp_path)
+    learn.fit(1, lr=1e-2)
+    path = learn.save("stage1")
+    assert path == tmp_path / "models" / "stage1.pth"
+    preds, _ = learn.get_preds()
+
+    fresh = learner(tmp_path, model=make_model(seed=123)).load("stage1")
+    assert torch.equal(fresh.get_preds()[0], preds)
+    saved, loaded = learn.opt.state_dict(), fresh.opt.state_dict()
+    assert saved["opt"]["param_groups"] == loaded["opt"]["param_groups"]
+    for k, state in saved["opt"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, loaded["opt"]["state"][k][name])
+
+
+def test_loading_into_a_different_model_lists_the_keys(tmp_path):
+    learn = learner(tmp_path)
+    learn.save("m")
+    other = learner(tmp_path, model=nn.Sequential(nn.Linear(8, 3)))
+    with pytest.raises(ValueError, match="different model") as info:
+        other.load("m")
+    assert "unexpected keys: 1.bias" in str(info.value)
+    assert "0.weight: saved (16, 8) vs model (3, 8)" in str(info.value)
+
+
+def test_loading_a_truncated_file_is_a_clear_error(tmp_path):
+    learn = learner(tmp_path)
+    path = learn.save("m")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="truncated, corrupt"):
+        learn.load("m")
+    with pytest.raises(FileNotFoundError, match="call save"):
+        learn.load("missing")
+
+
+def test_a_failed_save_leaves_the_previous_file_intact(tmp_path, monkeypatch):
+    path = atomic_save({"v": torch.ones(2)}, tmp_path / "state.pth")
+
+    def crash(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save({"v": torch.zeros(2)}, path)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path, weights_only=True)["v"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pth"]
+
+
+def test_get_preds_matches_a_manual_pass(tmp_path):
+    learn = learner(tmp_path)
+    learn.fit(1)
+    preds, targets = learn.get_preds()
+    x, y = learn.data.valid_dl.dataset.tensors
+    learn.model.eval()
+    with torch.no_grad():
+        expected = learn.model(x)
+    torch.testing.assert_close(preds, expected)
+    assert torch.equal(targets, y)
+    probs, _ = learn.get_preds(activation=lambda o: o.softmax(-1))
+    torch.testing.assert_close(probs, expected.softmax(-1))
+
+
+def test_predict_takes_one_item_or_a_batch(tmp_path):
+    learn = learner(tmp_path)
+    x = learn.data.valid_dl.dataset.tensors[0][:5]
+    batch = learn.predict(x)
+    one = learn.predict(x[2])
+    assert batch.shape == (5, 3) and one.shape == (3,)
+    torch.testing.assert_close(one, batch[2])
+
+
+def test_validate_returns_named_loss_and_metrics(tmp_path):
+    learn = learner(tmp_path)
+    result = learn.validate()
+    assert list(result) == ["valid_loss", "accuracy"]
+    preds, targets = learn.get_preds()
+    assert result["valid_loss"] == pytest.approx(F.cross_entropy(preds, targets).item())
+    assert result["accuracy"] == pytest.approx(accuracy(preds, targets).item())
+
+
+def test_optimizer_and_its_state_survive_repeated_fits(tmp_path):
+    learn = learner(tmp_path)
+    learn.fit(1, lr=1e-2)
+    opt = learn.opt
+    steps = [s["step"].item() for s in opt.state.values()]
+    learn.fit(1, lr=1e-3)
+    assert learn.opt is opt and opt.lr == 1e-3
+    assert [s["step"].item() for s in opt.state.values()] == [2 * n for n in steps]
+
+
+def test_freeze_trains_only_the_head_and_norm_layers(tmp_path):
+    model = body_head_model()
+    body, head = model[0], model[1]
+    learn = learner(tmp_path, model=model, layer_groups=[body, head])
+    learn.freeze()
+    linear, norm, head_before = snapshot(body[0]), snapshot(body[1]), snapshot(head)
+    learn.fit(1, lr=1e-2)
+    assert not any(changed(linear, body[0]))
+    assert all(changed(norm, body[1]))  # train_bn keeps norm layers trainable
+    assert all(changed(head_before, head))
+
+    learn.unfreeze()
+    linear = snapshot(body[0])
+    learn.fit(1, lr=1e-2)
+    assert all(changed(linear, body[0]))
+
+
+def test_freeze_with_train_bn_false_freezes_norm_layers_too(tmp_path):
+    model = body_head_model()
+    learn = learner(
+        tmp_path, model=model, layer_groups=[model[0], model[1]], train_bn=False
+    )
+    learn.freeze()
+    norm = snapshot(model[0][1])
+    learn.fit(1)
+    assert not any(changed(norm, model[0][1]))
+
+
+def test_discriminative_learning_rates_from_a_slice(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    learn = learner(tmp_path, model=model, layer_groups=list(model))
+    learn.fit(1, lr=slice(1e-4, 1e-2))
+    assert learn.opt.lr == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert learn.lr_range(slice(1e-2)) == pytest.approx([1e-3, 1e-3, 1e-2])
+    with pytest.raises(ValueError, match="got 2 values"):
+        learn.fit(1, lr=[1e-3, 1e-2])
+
+
+def test_layer_groups_must_cover_the_model(tmp_path):
+    model = body_head_model()
+    with pytest.raises(ValueError, match="layer_groups leave 2 model parameter"):
+        learner(tmp_path, model=model, layer_groups=[model[0]])
+
+
+def test_default_metric_for_cross_entropy_is_accuracy_and_said_once(capsys, tmp_path):
+    import fitlib.learner
+
+    fitlib.learner._said.clear()
+    learn = learner(tmp_path, metrics=None)
+    Learner(make_data(), make_model(), F.cross_entropy, progress=False)
+    assert learn.metrics == [accuracy]
+    assert capsys.readouterr().out.count("reporting accuracy") == 1
+    regression = Learner(make_data(), nn.Linear(8, 1), F.mse_loss, progress=False)
+    assert regression.metrics == []
+
+
+@pytest.mark.parametrize("lr", [0, -1e-3])
+def test_non_positive_lr_is_rejected_before_training(tmp_path, lr):
+    learn = learner(tmp_path)
+    before = snapshot(learn.model)
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        learn.fit(1, lr=lr)
+    assert not any(changed(before, learn.model))
+
+
+def test_learner_needs_data_with_train_dl_and_a_loss(tmp_path):
+    with pytest.raises(TypeError, match="train_dl attribute"):
+        Learner([1, 2], make_model(), F.cross_entropy)
+    with pytest.raises(TypeError, match="loss_func must be callable"):
+        Learner(make_data(), make_model())
+
+
+def test_progress_bar_is_on_by_default_and_easy_to_turn_off(tmp_path):
+    from fitlib.callbacks import ProgressBar, Recorder
+
+    learn = learner(tmp_path, progress=True)
+    names = [type(cb) for cb in learn._callbacks(None)]
+    assert names == [Recorder, ProgressBar]
+    learn.progress = False
+    assert [type(cb) for cb in learn._callbacks(None)] == [Recorder]

@@ -1,0 +1,147 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fitlib import HPOptimizer
+
+
+def params(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def train(model, opt, steps=5):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("opt_func", "mom_key", "beta_key"),
+    [
+        (torch.optim.SGD, ("momentum", None), None),
+        (torch.optim.RMSprop, ("momentum", None), ("alpha", None)),
+        (torch.optim.Adam, ("betas", 0), ("betas", 1)),
+        (torch.optim.AdamW, ("betas", 0), ("betas", 1)),
+    ],
+)
+def test_setters_write_the_optimizers_own_hyper_parameters(opt_func, mom_key, beta_key):
+    opt = HPOptimizer(params().parameters(), opt_func, lr=0.1)
+    opt.lr, opt.mom, opt.wd = 0.01, 0.8, 1e-3
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.01 and group["weight_decay"] == 1e-3
+    key, i = mom_key
+    assert (group[key] if i is None else group[key][i]) == 0.8
+    assert (opt.lr, opt.mom, opt.wd) == (0.01, 0.8, 1e-3)
+    if beta_key is None:
+        with pytest.raises(ValueError, match="SGD has no hyper-parameter 'beta'"):
+            opt.beta = 0.99
+    else:
+        opt.beta = 0.9
+        key, i = beta_key
+        assert (group[key] if i is None else group[key][i]) == 0.9
+        assert opt.beta == 0.9
+
+
+def test_mom_on_an_optimizer_without_momentum_says_what_it_has():
+    opt = HPOptimizer(params().parameters(), torch.optim.Adagrad, lr=0.1)
+    with pytest.raises(ValueError, match="Adagrad has no hyper-parameter 'mom'") as e:
+        opt.mom = 0.9
+    assert "It has: lr, wd" in str(e.value)
+
+
+def test_constructor_arguments_match_the_plain_optimizer():
+    a, b = params(), params()
+    opt = HPOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, mom=0.9, wd=1e-2)
+    ref = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    for x, y in zip(train(a, opt), train(b, ref)):
+        assert torch.equal(x, y)
+
+
+def test_values_per_parameter_group_for_discriminative_rates():
+    m = params()
+    groups = [{"params": m[0].parameters()}, {"params": m[1].parameters()}]
+    opt = HPOptimizer(groups, torch.optim.Adam, lr=[1e-3, 1e-2], mom=0.9)
+    assert opt.lr == [1e-3, 1e-2]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-2]
+    assert opt.mom == 0.9  # equal across groups reads as one float
+    opt.mom = (0.8, 0.85)
+    assert [g["betas"][0] for g in opt.param_groups] == [0.8, 0.85]
+    with pytest.raises(ValueError, match="got 3 values"):
+        opt.lr = [1e-3, 1e-2, 1e-1]
+
+
+@pytest.mark.parametrize("bad", [0, -1e-3, [1e-3, 0.0]])
+def test_non_positive_lr_is_rejected(bad):
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        HPOptimizer(params().parameters(), torch.optim.SGD, lr=bad)
+
+
+def test_true_wd_with_adam_equals_adamw():
+    a, b = params(), params()
+    opt = HPOptimizer(a.parameters(), torch.optim.Adam, lr=1e-2, wd=0.1, true_wd=True)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in zip(train(a, opt), train(b, ref)):
+        assert torch.equal(x, y)
+    assert opt.wd == 0.1
+
+
+def test_true_wd_with_sgd_decays_weights_apart_from_the_gradient():
+    a, b = params(), params()
+    lr, wd = 0.1, 0.05
+    opt = HPOptimizer(a.parameters(), torch.optim.SGD, lr=lr, wd=wd, true_wd=True)
+    assert opt.param_groups[0]["weight_decay"] == 0.0  # not L2 in the gradient
+    ref = torch.optim.SGD(b.parameters(), lr=lr)
+
+    class Decoupled:
+        def step(self):
+            with torch.no_grad():
+                for p in b.parameters():
+                    p.mul_(1 - lr * wd)
+            ref.step()
+
+        def zero_grad(self):
+            ref.zero_grad()
+
+    for x, y in zip(train(a, opt), train(b, Decoupled())):
+        assert torch.equal(x, y)
+
+
+def test_true_wd_skips_parameters_without_gradient():
+    m = params()
+    m[0].requires_grad_(False)
+    before = m[0].weight.clone()
+    opt = HPOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, wd=0.5, true_wd=True)
+    train(m, opt, steps=2)
+    assert torch.equal(m[0].weight, before)
+
+
+def test_state_dict_round_trip_restores_hyper_parameters_and_moments():
+    a, b = params(), params()
+    opt = HPOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, mom=0.8, wd=0.1)
+    train(a, opt, steps=3)
+    state = copy.deepcopy(opt.state_dict())  # as a save and load would
+    b.load_state_dict(a.state_dict())
+    other = HPOptimizer(b.parameters(), torch.optim.AdamW, lr=0.5, mom=0.5, wd=0.0)
+    other.load_state_dict(state)
+    assert (other.lr, other.mom, other.wd) == (1e-2, 0.8, 0.1)
+    for x, y in zip(train(a, opt), train(b, other)):
+        assert torch.equal(x, y)
+
+
+def test_loading_a_bare_torch_state_dict_explains_the_fix():
+    opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"opt.opt.load_state_dict"):
+        opt.load_state_dict(opt.opt.state_dict())
+
+
+def test_unknown_hyper_parameter_name():
+    opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="knows 'lr', 'mom', 'wd' and 'beta'"):
+        opt.set("momentum", 0.9)

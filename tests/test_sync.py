@@ -1,0 +1,79 @@
+"""No host-device sync per batch: the count of syncing calls must not grow with
+the number of batches (it may grow with epochs and with time-paced refreshes).
+
+On a CPU there is no device to wait for, so the test counts the Python calls
+that would force a sync on a GPU.
+"""
+
+import time
+
+import pytest
+import torch
+from helpers import make_model
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import DataBunch, Learner
+from fitlib.metrics import F1Score, accuracy, top_k_accuracy
+
+SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    counts = {"n": 0}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def train_and_count(n_train, counter, monkeypatch):
+    from helpers import make_dataset
+
+    # A frozen clock: the progress bar refreshes once, then never (time-paced).
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)
+    data = DataBunch(
+        DataLoader(make_dataset(n_train), 16, shuffle=True),
+        DataLoader(make_dataset(n_train // 2, seed=1), 16),
+        device="cpu",
+    )
+    metrics = [accuracy, F1Score(), lambda o, y: top_k_accuracy(o, y, k=2)]
+    learn = Learner(
+        data,
+        make_model(),
+        F.cross_entropy,
+        opt_func=torch.optim.SGD,
+        metrics=metrics,
+        progress=True,
+    )
+    before = counter["n"]
+    learn.fit(2, lr=0.1)
+    return counter["n"] - before, learn
+
+
+def test_sync_count_does_not_grow_with_batches(sync_counter, monkeypatch):
+    few, learn = train_and_count(64, sync_counter, monkeypatch)
+    many, learn_many = train_and_count(256, sync_counter, monkeypatch)
+    assert len(learn.recorder.losses) == 8 and len(learn_many.recorder.losses) == 32
+    assert few == many
+    assert few > 0  # the counter works: epoch ends do read values
+
+
+def test_counter_sees_a_per_batch_sync(sync_counter, monkeypatch):
+    """The instrument itself: a callback that syncs each batch is caught."""
+    from fitlib import Callback
+
+    class Leaky(Callback):
+        def on_batch_end(self, last_loss, **kwargs):
+            last_loss.item()
+
+    monkeypatch.setattr(Learner, "_callbacks", lambda self, extra: [Leaky()])
+    leaky_few, _ = train_and_count(64, sync_counter, monkeypatch)
+    leaky_many, _ = train_and_count(256, sync_counter, monkeypatch)
+    assert leaky_many - leaky_few == 24 + 12  # one per extra train and valid batch
