@@ -24,8 +24,9 @@ last_input          the current batch's inputs, on the model's device
 last_target         the current batch's targets, on the model's device
 last_output         the model's output for the current batch
 last_loss           the current batch's loss: the graph-carrying tensor from
-                    ``on_backward_begin`` to ``on_step_end``, detached in
-                    ``on_batch_end``
+                    ``on_backward_begin`` to ``on_step_end`` (an update made in
+                    ``on_backward_begin`` is what ``backward()`` uses), then
+                    in ``on_batch_end`` the detached loss of ``loss_func``
 smooth_loss         debiased exponential moving average of the training loss
                     (beta 0.98) since ``fit`` began, a detached device tensor
 last_metrics        ``[valid_loss, *metric values]`` as device tensors after
@@ -52,6 +53,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from fitlib.errors import add_note
 
 EVENTS = (
     "on_train_begin",
@@ -159,14 +162,6 @@ class Callback:
 
 def _overrides(cb: Callback, event: str) -> bool:
     return getattr(type(cb), event) is not getattr(Callback, event)
-
-
-def add_note(exc: BaseException, note: str) -> None:
-    """Adds ``note`` to ``exc`` so its traceback says where it came from."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    elif exc.args and isinstance(exc.args[0], str):  # Python 3.10
-        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
 
 
 def _check_callbacks(callbacks: Iterable[Any]) -> list[Callback]:

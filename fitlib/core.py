@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitlib.callback import Callback, CallbackHandler, add_note
+from fitlib.callback import Callback, CallbackHandler
+from fitlib.errors import add_note, describe, reraise
 from fitlib.metrics import Metrics, accumulation_dtype
 
 LossFunc = Callable[..., torch.Tensor]
-_WRAPPABLE = (TypeError, ValueError, RuntimeError, IndexError)
 
 
 def fit(
@@ -85,7 +85,9 @@ def loss_batch(
 ) -> torch.Tensor:
     """Forward, loss and, when ``opt`` is given, backward, step and zero_grad.
 
-    Returns the loss, detached (a device tensor: reading it is up to you).
+    Returns ``loss_func``'s loss, detached (a device tensor: reading it is up
+    to you); changes callbacks make to it in ``on_backward_begin`` only affect
+    the backward pass.
 
     Example:
         >>> loss = loss_batch(model, xb, yb, F.cross_entropy, opt)
@@ -94,9 +96,11 @@ def loss_batch(
     out = cb_handler.on_loss_begin(_forward(model, xb))
     loss = _compute_loss(loss_func, out, yb)
     if opt is not None:
-        loss, skip_bwd = cb_handler.on_backward_begin(loss)
+        # A callback may change the loss for backward only (loss scaling,
+        # accumulation): the loss returned and recorded stays loss_func's.
+        bwd_loss, skip_bwd = cb_handler.on_backward_begin(loss)
         if not skip_bwd:
-            loss.backward()
+            bwd_loss.backward()
         if not cb_handler.on_backward_end():
             opt.step()
         if not cb_handler.on_step_end():
@@ -226,18 +230,6 @@ def batch_size(yb: Any, xb: Any = None) -> int:
     return 1
 
 
-def describe(x: Any) -> str:
-    """A short description of a value for error messages: types and shapes."""
-    if isinstance(x, torch.Tensor):
-        return f"Tensor(shape={tuple(x.shape)}, {str(x.dtype).replace('torch.', '')})"
-    if isinstance(x, (tuple, list)):
-        inner = ", ".join(describe(o) for o in x[:4]) + (", ..." if len(x) > 4 else "")
-        return f"{type(x).__name__}[{inner}] of length {len(x)}"
-    if isinstance(x, dict):
-        return "dict{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in x.items()) + "}"
-    return type(x).__name__
-
-
 def to_floats(scalars: list[torch.Tensor], extra: Iterable = ()) -> list[float]:
     """0-dim tensors (one device), then ``extra``, as floats in one host transfer.
 
@@ -279,8 +271,8 @@ def _forward(model: nn.Module, xb: Any) -> Any:
 def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
     try:
         loss = loss_func(out, *_as_tuple(yb))
-    except _WRAPPABLE as e:
-        raise _loss_error(e, loss_func, out, yb) from e
+    except Exception as e:
+        reraise(e, _loss_mismatch(loss_func, out, yb))
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         raise ValueError(
             f"loss_func {_name(loss_func)} returned {describe(loss)}; fitlib "
@@ -290,19 +282,14 @@ def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
     return loss
 
 
-def _loss_error(e: Exception, loss_func: LossFunc, out: Any, yb: Any) -> BaseException:
-    message = (
+def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:
+    return (
         f"loss_func {_name(loss_func)} could not take the model output. fitlib "
         f"called loss_func(output, *targets) with output {describe(out)} and "
         f"targets {describe(_as_tuple(yb))}. Fix: make the model's output match "
         "what the loss expects (e.g. one column per class for cross_entropy, "
-        "the target's shape for mse_loss), or pass a matching loss_func.\n"
-        f"The loss said: {e}"
+        "the target's shape for mse_loss), or pass a matching loss_func."
     )
-    if type(e) in _WRAPPABLE:
-        return type(e)(message)
-    add_note(e, message)  # a subclass (e.g. out of memory): keep its type
-    return e
 
 
 def _name(f: Any) -> str:

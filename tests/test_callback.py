@@ -8,6 +8,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, CallbackHandler, HPOptimizer, fit
 from fitlib.callback import EVENTS, STATE_KEYS
+from fitlib.callbacks import Recorder
 
 
 def run(callbacks, epochs=1, data=None, model=None, lr=0.1):
@@ -117,9 +118,12 @@ def test_returned_update_reaches_later_callbacks_and_the_loop():
             return {"skip_step": True}
 
     model = make_model()
-    run([Double(), check, KeepGrad()], data=data, model=model)
+    rec = Recorder()
+    run([Double(), check, KeepGrad(), rec], data=data, model=model)
     loss, plain = check.pairs[0]
     torch.testing.assert_close(loss, plain * 2)
+    # the doubled loss drove backward only: the recorded loss is loss_func's
+    assert rec.losses[0] == pytest.approx(plain.item())
 
     model2 = make_model()
     grads_plain = []

@@ -1,0 +1,56 @@
+"""Helpers that make errors say what was received and where it came from.
+
+The bottom layer: every module may import it; it imports only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+
+# Built-in exception types whose constructor takes just a message: these are
+# re-raised as the same type with a fuller message.
+_PLAIN = (TypeError, ValueError, RuntimeError, IndexError)
+
+
+def describe(x: Any) -> str:
+    """Types and shapes of a value, for messages: ``(Tensor(shape=(64,), int64),)``.
+
+    Example:
+        >>> describe((torch.zeros(2, 3), [1]))
+        '(Tensor(shape=(2, 3), float32), [int])'
+    """
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, {str(x.dtype).removeprefix('torch.')})"
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(describe(v) for v in x[:4])
+        inner += f", ... {len(x)} items" if len(x) > 4 else ""
+        if isinstance(x, list):
+            return f"[{inner}]"
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in x.items()) + "}"
+    return type(x).__name__
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Adds ``note`` to ``exc``'s traceback (its message on Python 3.10)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+
+
+def reraise(exc: Exception, message: str) -> NoReturn:
+    """Raises ``exc`` again with ``message`` first, keeping its type.
+
+    Call it in an ``except`` block. A plain TypeError, ValueError, RuntimeError
+    or IndexError is raised as a new exception of the same type, chained to the
+    original; any other type (an out-of-memory error, a user's own exception)
+    is raised as it is, with ``message`` as a note.
+    """
+    if type(exc) in _PLAIN:
+        raise type(exc)(f"{message}\nIt said: {exc}") from exc
+    add_note(exc, message)
+    raise exc
