@@ -93,7 +93,7 @@ def loss_batch(
         >>> loss = loss_batch(model, xb, yb, F.cross_entropy, opt)
     """
     cb_handler = cb_handler or CallbackHandler()
-    out = cb_handler.on_loss_begin(_forward(model, xb))
+    out = cb_handler.on_loss_begin(call_model(model, xb))
     loss = _compute_loss(loss_func, out, yb)
     if opt is not None:
         # A callback may change the loss for backward only (loss scaling,
@@ -138,7 +138,7 @@ def validate(
             total.add_(loss, alpha=n)
             count += n
             if metrics:
-                metrics.update(cb_handler.state["last_output"], _as_tuple(yb))
+                metrics.update(cb_handler.state["last_output"], as_tuple(yb))
             if cb_handler.on_batch_end(loss):
                 break
     return [total / count, *metrics.compute()]
@@ -254,11 +254,13 @@ def weighted_mean(values: list[float], weights: list[int]) -> float:
 
 
 # -- one batch -----------------------------------------------------------------
-def _as_tuple(x: Any) -> tuple:
+def as_tuple(x: Any) -> tuple:
+    """``x`` as a tuple: a tuple or list as is, anything else wrapped."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _forward(model: nn.Module, xb: Any) -> Any:
+def call_model(model: nn.Module, xb: Any) -> Any:
+    """``model(**xb)`` for a dict, ``model(*xb)`` for a tuple, else ``model(xb)``."""
     try:
         if isinstance(xb, dict):
             return model(**xb)
@@ -270,7 +272,7 @@ def _forward(model: nn.Module, xb: Any) -> Any:
 
 def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
     try:
-        loss = loss_func(out, *_as_tuple(yb))
+        loss = loss_func(out, *as_tuple(yb))
     except Exception as e:
         reraise(e, _loss_mismatch(loss_func, out, yb))
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
@@ -286,7 +288,7 @@ def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:
     return (
         f"loss_func {_name(loss_func)} could not take the model output. fitlib "
         f"called loss_func(output, *targets) with output {describe(out)} and "
-        f"targets {describe(_as_tuple(yb))}. Fix: make the model's output match "
+        f"targets {describe(as_tuple(yb))}. Fix: make the model's output match "
         "what the loss expects (e.g. one column per class for cross_entropy, "
         "the target's shape for mse_loss), or pass a matching loss_func."
     )

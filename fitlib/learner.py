@@ -14,7 +14,16 @@ from fitlib import metrics as fm
 from fitlib.callback import Callback
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
-from fitlib.core import _as_tuple, _forward, batches, fit, to_device, validate
+from fitlib.core import (
+    as_tuple,
+    batches,
+    call_model,
+    fit,
+    model_device,
+    to_device,
+    to_floats,
+    validate,
+)
 from fitlib.optim import HPOptimizer
 from fitlib.serialization import atomic_save, load_model_state, safe_load
 
@@ -109,8 +118,7 @@ class Learner:
         the last, ``slice(hi)`` gives the last group ``hi`` and the others
         ``hi / 10``.
         """
-        lrs = self.lr_range(lr)
-        self.create_opt(lrs, wd)
+        self.create_opt(lr, wd)
         fit(
             epochs,
             self.model,
@@ -187,7 +195,7 @@ class Learner:
         dl = self._loader(dl)
         values = validate(self.model, dl, self.loss_func, metrics=self.metrics)
         names = ["valid_loss", *fm.Metrics(self.metrics).names]
-        return dict(zip(names, torch.stack(values).tolist()))
+        return dict(zip(names, to_floats(values)))
 
     def get_preds(
         self, dl: Iterable | None = None, activation: Callable | None = None
@@ -198,25 +206,25 @@ class Learner:
         ``activation`` (e.g. ``partial(torch.softmax, dim=-1)``) is applied to
         the outputs.
         """
-        dl, device = self._loader(dl), next(self.model.parameters()).device
+        dl, device = self._loader(dl), model_device(self.model)
         outs, targets = [], []
         self.model.eval()
         with torch.no_grad():
             for xb, yb in batches(dl, device, "dl"):
-                outs.append(_forward(self.model, xb))
-                targets.append(_as_tuple(yb)[0])
+                outs.append(call_model(self.model, xb))
+                targets.append(as_tuple(yb)[0])
         preds = torch.cat(outs)
         preds = activation(preds) if activation is not None else preds
         return preds.cpu(), torch.cat(targets).cpu()
 
     def predict(self, x: Any, activation: Callable | None = None) -> Any:
         """The model's output for one item or a batch of items, on the CPU."""
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
         single = _is_single_item(x, self.data)
         xb = _unsqueeze(x) if single else x
         self.model.eval()
         with torch.no_grad():
-            out = _forward(self.model, to_device(xb, device))
+            out = call_model(self.model, to_device(xb, device))
         out = activation(out) if activation is not None else out
         return out[0].cpu() if single else out.cpu()
 
@@ -240,7 +248,7 @@ class Learner:
     def load(self, name: str | Path, with_opt: bool = True) -> Learner:
         """Loads what ``save`` wrote: model weights and optimizer state."""
         path = self._file(name)
-        state = safe_load(path, map_location=next(self.model.parameters()).device)
+        state = safe_load(path, map_location=model_device(self.model))
         if not isinstance(state, dict) or "model" not in state:
             raise ValueError(f"{str(path)!r} is not a Learner.save file.")
         load_model_state(self.model, state["model"], repr(str(path)))
