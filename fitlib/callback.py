@@ -188,9 +188,13 @@ class CallbackHandler:
     the handler lists, once, the callbacks that override that hook, so an
     event nobody overrides costs one empty loop.
 
+    ``fit`` makes one per run; to drive hooks around your own loop:
+
     Example:
         >>> handler = CallbackHandler([Recorder()])
-        >>> fit(2, model, loss_func, opt, data, callbacks=handler.callbacks)
+        >>> handler.on_train_begin(1, model=model, opt=opt)
+        >>> xb, yb = handler.on_batch_begin(xb, yb)
+        >>> handler.on_batch_end(loss_batch(model, xb, yb, loss_func, opt, handler))
     """
 
     def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:

@@ -61,12 +61,10 @@ def fit(
                     loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
                     if cb_handler.on_batch_end(loss):
                         break
-                val_metrics = None
+                results = None  # [valid_loss, *metrics] when validation runs
                 if valid_dl is not None and not cb_handler.state["skip_validate"]:
-                    val_metrics = validate(
-                        model, valid_dl, loss_func, cb_handler, metrics
-                    )
-                if cb_handler.on_epoch_end(val_metrics):
+                    results = validate(model, valid_dl, loss_func, cb_handler, metrics)
+                if cb_handler.on_epoch_end(results):
                     break
     except BaseException as e:
         exception = e
