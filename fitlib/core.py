@@ -168,8 +168,11 @@ class DataBunch:
         self.device = torch.device(device)
 
     def __repr__(self) -> str:
-        sizes = {n: len_or_none(getattr(self, n)) for n in ("train_dl", "valid_dl")}
-        return f"DataBunch({sizes['train_dl']} train batches, {sizes['valid_dl']} valid batches, device={self.device})"  # noqa: E501
+        train, valid = len_or_none(self.train_dl), len_or_none(self.valid_dl)
+        return (
+            f"DataBunch({train} train batches, {valid} valid batches, "
+            f"device={self.device})"
+        )
 
 
 # -- batches and devices -------------------------------------------------------

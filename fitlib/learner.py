@@ -103,6 +103,15 @@ class Learner:
         self.recorder = Recorder()
         self.opt: HPOptimizer | None = None
 
+    def __repr__(self) -> str:
+        loss = getattr(self.loss_func, "__name__", type(self.loss_func).__name__)
+        names = fm.Metrics(self.metrics).names
+        return (
+            f"Learner({type(self.model).__name__}, loss_func={loss}, "
+            f"opt_func={self.opt_func.__name__}, metrics={names}, "
+            f"{len(self.layer_groups)} layer group(s), data={self.data!r})"
+        )
+
     # -- training --------------------------------------------------------------
     def fit(
         self,

@@ -204,3 +204,10 @@ def test_progress_bar_is_on_by_default_and_easy_to_turn_off(tmp_path):
     assert names == [Recorder, ProgressBar]
     learn.progress = False
     assert [type(cb) for cb in learn._callbacks(None)] == [Recorder]
+
+
+def test_repr_says_what_the_learner_holds(tmp_path):
+    text = repr(learner(tmp_path))
+    assert text.startswith("Learner(Sequential, loss_func=cross_entropy")
+    assert "opt_func=AdamW" in text and "metrics=['accuracy']" in text
+    assert "DataBunch(7 train batches, 3 valid batches, device=cpu)" in text

@@ -101,7 +101,7 @@ class ProgressBar(Callback):
         self._n += 1
         if train:
             # Summed at epoch end: a list append costs less than a device op.
-            self._losses.append(last_loss.detach())
+            self._losses.append(last_loss)  # detached by the loop
             self._sizes.append(batch_size(last_target, last_input))
             self._smooth = smooth_loss
         now = time.perf_counter()
