@@ -1,0 +1,61 @@
+import functools
+
+import pytest
+import torch
+from metric_data import multiclass, regression, run
+from sklearn import metrics as skm
+
+from fitlib.metrics import (
+    Metrics,
+    accuracy,
+    error_rate,
+    mae,
+    mse,
+    top_k_accuracy,
+)
+
+
+def test_accuracy_and_error_rate_match_sklearn_over_ragged_batches(gen):
+    out, y = multiclass(gen)
+    acc = skm.accuracy_score(y, out.argmax(-1))
+    assert run([accuracy, error_rate], out, y) == pytest.approx([acc, 1 - acc])
+
+
+def test_accuracy_treats_single_logit_column_as_binary(gen):
+    out = torch.randn(17, 1, generator=gen)
+    y = torch.randint(0, 2, (17,), generator=gen).float()
+    expected = skm.accuracy_score(y, (out[:, 0] > 0).long())
+    assert run([accuracy], out, y) == pytest.approx([expected])
+
+
+def test_top_k_accuracy_matches_sklearn(gen):
+    out, y = multiclass(gen, c=6)
+    expected = skm.top_k_accuracy_score(y, out, k=3, labels=range(6))
+    ms = Metrics([functools.partial(top_k_accuracy, k=3)])
+    assert ms.names == ["top_k_accuracy"]
+    assert run(ms, out, y) == pytest.approx([expected])
+
+
+def test_top_k_accuracy_rejects_k_not_below_class_count(gen):
+    out, y = multiclass(gen, c=3)
+    with pytest.raises(ValueError, match="k=5"):
+        top_k_accuracy(out, y)
+
+
+def test_mse_and_mae_compare_column_output_with_flat_targets(gen):
+    out, y = regression(gen)
+    got = run([mse, mae], out.unsqueeze(1), y)
+    expected = [skm.mean_squared_error(y, out), skm.mean_absolute_error(y, out)]
+    assert got == pytest.approx(expected)
+
+
+def test_regression_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"\(4, 2\).*\(4,\)"):
+        mse(torch.zeros(4, 2), torch.zeros(4))
+
+
+def test_average_is_per_sample_not_per_batch():
+    out = torch.tensor([[0.0, 1.0]] * 4 + [[1.0, 0.0]])
+    y = torch.ones(5, dtype=torch.long)
+    # Batches of 4 (all right) and 1 (wrong): per-sample 0.8, per-batch 0.5.
+    assert run([accuracy], out, y, (4, 1)) == pytest.approx([0.8])
