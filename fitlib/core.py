@@ -103,7 +103,7 @@ def loss_batch(
             opt.step()
         if not cb_handler.on_step_end():
             opt.zero_grad()
-    return loss.detach()
+    return loss.detach() if loss.requires_grad else loss
 
 
 def validate(

@@ -93,7 +93,9 @@ class AvgMetric(Metric):
         if self.total is None:
             dtype = accumulation_dtype(output.device)
             self.total = torch.zeros((), dtype=dtype, device=output.device)
-        self.total.add_(val.detach(), alpha=n)  # one device op per batch
+        if val.requires_grad:  # only outside no_grad; validation never pays it
+            val = val.detach()
+        self.total.add_(val, alpha=n)  # one device op per batch
         self.count += n
 
     def compute(self) -> Tensor:

@@ -43,7 +43,7 @@ def accuracy(out: Tensor, y: Tensor) -> Tensor:
         tensor(0.5000)
     """
     pred = _match(_pred_classes(out)[0], y, "accuracy")
-    return (pred == y).float().mean()
+    return (pred == y).mean(dtype=torch.float32)
 
 
 def top_k_accuracy(out: Tensor, y: Tensor, k: int = 5) -> Tensor:
