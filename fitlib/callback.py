@@ -22,7 +22,8 @@ num_batch           the 0-based index of the batch within the current loader
 train               True for training batches, False for validation batches
 last_input          the current batch's inputs, on the model's device
 last_target         the current batch's targets, on the model's device
-last_output         the model's output for the current batch
+last_output         the model's output for the current batch (detached in
+                    ``on_batch_end``)
 last_loss           the current batch's loss: the graph-carrying tensor from
                     ``on_backward_begin`` to ``on_step_end`` (an update made in
                     ``on_backward_begin`` is what ``backward()`` uses), then
@@ -31,8 +32,11 @@ smooth_loss         debiased exponential moving average of the training loss
                     (beta 0.98) since ``fit`` began, a detached device tensor
 last_metrics        ``[valid_loss, *metric values]`` as device tensors after
                     validation, ``None`` when validation was skipped
-stop_epoch          set True to end the current epoch after this batch
-stop_training       set True to end training after this batch or epoch
+stop_epoch          set True to end the current loader after this batch: the
+                    epoch's training, or its validation
+stop_training       set True to end training: after this training batch (the
+                    epoch's validation still runs unless ``skip_validate``),
+                    or after this epoch
 skip_bwd            set True in ``on_backward_begin`` to skip ``backward()``
 skip_step           set True by ``on_backward_end`` to skip ``opt.step()``
 skip_zero           set True by ``on_step_end`` to keep the gradients
@@ -160,6 +164,17 @@ class Callback:
         return f"{self.name}(order={self.order})"
 
 
+def _detached(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        items = [_detached(o) for o in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    return x
+
+
 def _overrides(cb: Callback, event: str) -> bool:
     return getattr(type(cb), event) is not getattr(Callback, event)
 
@@ -248,7 +263,7 @@ class CallbackHandler:
     def on_batch_begin(self, xb: Any, yb: Any, train: bool = True) -> tuple:
         state = self.state
         if train is not state["train"]:  # a new loader: validation after training
-            state["num_batch"] = 0
+            state["num_batch"], state["stop_epoch"] = 0, False
         state["last_input"], state["last_target"], state["train"] = xb, yb, train
         if train:
             state["skip_bwd"] = state["skip_step"] = state["skip_zero"] = False
@@ -285,6 +300,8 @@ class CallbackHandler:
         train = state["train"]
         if train:
             state["smooth_loss"] = self._smooth(state["smooth_loss"], loss)
+            # The output's graph would live until the next forward otherwise.
+            state["last_output"] = _detached(state["last_output"])
         if self._hooks["on_batch_end"]:
             self("on_batch_end")
         if train:
@@ -292,7 +309,8 @@ class CallbackHandler:
         state["num_batch"] += 1
         if self.interrupted:
             raise KeyboardInterrupt("training stopped after the batch in progress")
-        return state["stop_epoch"] or state["stop_training"]
+        # stop_training ends the training loader; validation still runs once.
+        return state["stop_epoch"] or (train and state["stop_training"])
 
     def _smooth(self, smooth: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
         # A debiased moving average, avg_n / (1 - beta**n), in one device op:
@@ -312,7 +330,22 @@ class CallbackHandler:
         return self.state["stop_training"]
 
     def on_train_end(self, exception: BaseException | None) -> None:
-        self("on_train_end", exception=exception)
+        """Runs every callback's hook even if one fails, so all can clean up.
+
+        A failure is raised after the others ran, unless training already
+        failed: then it becomes a note on that exception, which propagates.
+        """
+        failures = []
+        for cb, hook in self._hooks["on_train_end"]:
+            try:
+                hook(**self.state, exception=exception)
+            except Exception as e:
+                add_note(e, f"fitlib: raised in callback {cb.name}.on_train_end")
+                failures.append(e)
+        if failures and exception is None:
+            raise failures[0]
+        for e in failures:
+            add_note(exception, f"fitlib: while ending, also: {e!r}")
 
     @contextmanager
     def deferred_interrupt(self) -> Iterator[None]:
@@ -340,6 +373,8 @@ class CallbackHandler:
             signal.signal(signal.SIGINT, request_stop)
         try:
             yield
+            if self.interrupted:  # pressed after the last batch: still stop
+                raise KeyboardInterrupt("training interrupted")
         finally:
             if own:
                 signal.signal(signal.SIGINT, previous)

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from fitlib.callback import Callback, CallbackHandler
-from fitlib.errors import add_note, describe, reraise
+from fitlib.errors import add_note, describe, name_of, reraise
 from fitlib.metrics import Metrics, accumulation_dtype
+from fitlib.optim import HPOptimizer
 
 LossFunc = Callable[..., torch.Tensor]
 
@@ -35,7 +36,7 @@ def fit(
         epochs: number of epochs (a positive int).
         model: the model; batches are moved to the device of its parameters.
         loss_func: called as ``loss_func(output, *targets)``; returns a scalar.
-        opt: an ``HPOptimizer`` (or anything with ``step`` and ``zero_grad``).
+        opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one).
         data: an object with ``train_dl`` and optionally ``valid_dl``.
         callbacks: ``Callback`` instances, run in ``order``.
         metrics: computed over the validation set each epoch.
@@ -44,7 +45,8 @@ def fit(
         >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
         >>> fit(3, model, F.cross_entropy, opt, DataBunch(train_dl, valid_dl))
     """
-    device = _check_fit_args(epochs, model, loss_func, opt, data)
+    device = _check_fit_args(epochs, model, loss_func, data)
+    opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
     cb_handler = CallbackHandler(callbacks)
@@ -191,7 +193,8 @@ def to_device(x: Any, device: torch.device) -> Any:
         # before Python reads it.
         return x.to(device, non_blocking=device.type == "cuda")
     if isinstance(x, (tuple, list)):
-        return type(x)(to_device(o, device) for o in x)
+        items = [to_device(o, device) for o in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
     if isinstance(x, dict):
         return {k: to_device(v, device) for k, v in x.items()}
     return x
@@ -221,14 +224,17 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
 def batch_size(yb: Any, xb: Any = None) -> int:
     """The number of samples in a batch, read from the targets (or inputs)."""
     for part in (yb, xb):
-        t = part
-        while isinstance(t, (tuple, list)) and t:
-            t = t[0]
-        if isinstance(t, dict) and t:
-            t = next(iter(t.values()))
-        if isinstance(t, torch.Tensor) and t.ndim:
+        t = first_tensor(part)
+        if t is not None and t.ndim:
             return t.shape[0]
     return 1
+
+
+def first_tensor(x: Any) -> torch.Tensor | None:
+    """The first tensor in a tensor, tuple, list or dict (nested), or None."""
+    while isinstance(x, (tuple, list, dict)) and x:
+        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
+    return x if isinstance(x, torch.Tensor) else None
 
 
 def to_floats(scalars: list[torch.Tensor], extra: Iterable = ()) -> list[float]:
@@ -278,7 +284,7 @@ def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
         reraise(e, _loss_mismatch(loss_func, out, yb))
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         raise ValueError(
-            f"loss_func {_name(loss_func)} returned {describe(loss)}; fitlib "
+            f"loss_func {name_of(loss_func)} returned {describe(loss)}; fitlib "
             "needs a scalar (0-dim) tensor to call backward(). Fix: reduce the "
             "loss, e.g. reduction='mean', or return loss.mean()."
         )
@@ -287,17 +293,12 @@ def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
 
 def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:
     return (
-        f"loss_func {_name(loss_func)} could not take the model output. fitlib "
-        f"called loss_func(output, *targets) with output {describe(out)} and "
-        f"targets {describe(as_tuple(yb))}. Fix: make the model's output match "
-        "what the loss expects (e.g. one column per class for cross_entropy, "
-        "the target's shape for mse_loss), or pass a matching loss_func."
+        f"loss_func {name_of(loss_func)} failed. fitlib called loss_func(output, "
+        f"*targets) with output {describe(out)} and targets "
+        f"{describe(as_tuple(yb))}. If those do not fit what the loss expects, "
+        "fix the model's output (e.g. one column per class for cross_entropy, "
+        "the target's shape for mse_loss) or pass a matching loss_func."
     )
-
-
-def _name(f: Any) -> str:
-    f = getattr(f, "func", f)  # functools.partial
-    return getattr(f, "__name__", type(f).__name__)
 
 
 def len_or_none(dl: Any) -> int | None:
@@ -309,26 +310,39 @@ def len_or_none(dl: Any) -> int | None:
 
 
 # -- checks before training ----------------------------------------------------
-def _check_fit_args(
-    epochs: Any, model: Any, loss_func: Any, opt: Any, data: Any
-) -> torch.device:
+def _check_fit_args(epochs: Any, model: Any, loss_func: Any, data: Any) -> torch.device:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
         raise ValueError(
             f"epochs must be a positive int; got {epochs!r} "
             f"({type(epochs).__name__}). Fix: pass e.g. epochs=3."
         )
+    check_model(model, loss_func)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"model {type(model).__name__} has no trainable parameter (none, or "
+            "all with requires_grad=False), so there is nothing to train. Fix: "
+            "unfreeze it (learn.unfreeze() or p.requires_grad_(True))."
+        )
+    check_data(data)
+    return model_device(model)
+
+
+def check_model(model: Any, loss_func: Any) -> None:
+    """Raises a TypeError that says the fix for a bad model or loss function."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}.")
+        raise TypeError(
+            f"model must be a torch.nn.Module; got {type(model).__name__}. Fix: "
+            "wrap the function in an nn.Module whose forward calls it."
+        )
     if not callable(loss_func):
         raise TypeError(
             f"loss_func must be callable as loss_func(output, *targets); got "
             f"{loss_func!r}. Fix: pass e.g. torch.nn.functional.cross_entropy."
         )
-    if not (hasattr(opt, "step") and hasattr(opt, "zero_grad")):
-        raise TypeError(
-            f"opt must have step() and zero_grad(); got {type(opt).__name__}. "
-            "Fix: pass fitlib.HPOptimizer(model.parameters(), torch.optim.SGD, lr)."
-        )
+
+
+def check_data(data: Any) -> None:
+    """Raises a clear error for data without ``train_dl`` or with empty loaders."""
     if not hasattr(data, "train_dl"):
         raise TypeError(
             f"data must have a train_dl attribute; got {type(data).__name__}. "
@@ -341,4 +355,3 @@ def _check_fit_args(
                 "Fix: check the dataset, and drop_last=True with a dataset "
                 "smaller than the batch size."
             )
-    return model_device(model)

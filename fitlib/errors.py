@@ -34,6 +34,12 @@ def describe(x: Any) -> str:
     return type(x).__name__
 
 
+def name_of(f: Any) -> str:
+    """A function's name for messages (``partial`` and callable objects too)."""
+    f = getattr(f, "func", f)  # functools.partial
+    return getattr(f, "__name__", type(f).__name__)
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """Adds ``note`` to ``exc``'s traceback (its message on Python 3.10)."""
     if hasattr(exc, "add_note"):

@@ -11,19 +11,22 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import metrics as fm
-from fitlib.callback import Callback
+from fitlib.callback import Callback, CallbackHandler
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.core import (
     as_tuple,
-    batches,
     call_model,
+    check_data,
+    check_model,
+    first_tensor,
     fit,
     model_device,
     to_device,
     to_floats,
     validate,
 )
+from fitlib.errors import name_of
 from fitlib.optim import HPOptimizer
 from fitlib.serialization import atomic_save, load_model_state, safe_load
 
@@ -84,17 +87,12 @@ class Learner:
         train_bn: bool = True,
         progress: bool = True,
     ) -> None:
-        if not hasattr(data, "train_dl"):
-            raise TypeError(
-                f"data must have a train_dl attribute; got {type(data).__name__}. "
-                "Fix: Learner(DataBunch(train_dl, valid_dl), model, ...)."
-            )
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module; got {type(model)}.")
-        self.data, self.model = data, model
+        check_data(data)
+        loss_func = loss_func or getattr(data, "loss_func", None)
+        check_model(model, loss_func)
+        self.data, self.model, self.loss_func = data, model, loss_func
         if getattr(data, "device", None) is not None:
             self.model.to(data.device)
-        self.loss_func = _pick_loss(loss_func, data)
         self.metrics = _default_metrics(self.loss_func) if metrics is None else metrics
         self.opt_func, self.wd, self.true_wd = opt_func, wd, true_wd
         self.path, self.train_bn, self.progress = Path(path), train_bn, progress
@@ -104,7 +102,7 @@ class Learner:
         self.opt: HPOptimizer | None = None
 
     def __repr__(self) -> str:
-        loss = getattr(self.loss_func, "__name__", type(self.loss_func).__name__)
+        loss = name_of(self.loss_func)
         names = fm.Metrics(self.metrics).names
         return (
             f"Learner({type(self.model).__name__}, loss_func={loss}, "
@@ -192,6 +190,12 @@ class Learner:
 
     def freeze(self) -> None:
         """Freezes every layer group but the last (the head)."""
+        if len(self.layer_groups) < 2:
+            raise ValueError(
+                "freeze() keeps only the last layer group trainable, but this "
+                "Learner has 1 layer group, so it would freeze nothing. Fix: "
+                "Learner(..., layer_groups=[body, head])."
+            )
         self.freeze_to(-1)
 
     def unfreeze(self) -> None:
@@ -211,20 +215,19 @@ class Learner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Model outputs and targets over ``dl`` (validation set by default).
 
-        Outputs stay on the device until the end, then move to the CPU at once.
-        ``activation`` (e.g. ``partial(torch.softmax, dim=-1)``) is applied to
-        the outputs.
+        Outputs stay on the device until the end, then move to the CPU at once;
+        a model with several outputs gives a tuple. ``activation`` (e.g.
+        ``partial(torch.softmax, dim=-1)``) is applied to the outputs; targets
+        are the first target of each batch.
         """
-        dl, device = self._loader(dl), model_device(self.model)
-        outs, targets = [], []
-        self.model.eval()
-        with torch.no_grad():
-            for xb, yb in batches(dl, device, "dl"):
-                outs.append(call_model(self.model, xb))
-                targets.append(as_tuple(yb)[0])
-        preds = torch.cat(outs)
+        collect = _Collect()  # validate is the one inference loop
+        validate(
+            self.model, self._loader(dl), self.loss_func, CallbackHandler([collect])
+        )
+        preds = _cat(collect.outputs)
         preds = activation(preds) if activation is not None else preds
-        return preds.cpu(), torch.cat(targets).cpu()
+        cpu = torch.device("cpu")
+        return to_device(preds, cpu), to_device(torch.cat(collect.targets), cpu)
 
     def predict(self, x: Any, activation: Callable | None = None) -> Any:
         """The model's output for one item or a batch of items, on the CPU."""
@@ -272,16 +275,6 @@ class Learner:
         return self.path / "models" / f"{name}.pth"
 
 
-def _pick_loss(loss_func: Callable | None, data: Any) -> Callable:
-    loss_func = loss_func or getattr(data, "loss_func", None)
-    if not callable(loss_func):
-        raise TypeError(
-            f"loss_func must be callable as loss_func(output, *targets); got "
-            f"{loss_func!r}. Fix: Learner(..., loss_func=F.cross_entropy)."
-        )
-    return loss_func
-
-
 def _default_metrics(loss_func: Callable) -> list:
     is_clf = loss_func in _CLASSIFICATION_LOSSES or isinstance(
         loss_func, (nn.CrossEntropyLoss, nn.NLLLoss)
@@ -315,19 +308,32 @@ def _split_groups(model: nn.Module, groups: Sequence[Any] | None) -> list[list]:
 
 def _is_single_item(x: Any, data: Any) -> bool:
     """Whether ``x`` lacks the batch dimension, judged from a dataset item."""
-    first = _first_tensor(x)
-    ds = getattr(getattr(data, "valid_dl", None) or data.train_dl, "dataset", None)
+    dl = data.valid_dl if getattr(data, "valid_dl", None) is not None else data.train_dl
     try:
-        item = _first_tensor(ds[0][0])
-    except Exception:  # no indexable dataset: take what was given as a batch
-        return False
+        item = first_tensor(dl.dataset[0][0])
+    except (AttributeError, TypeError, IndexError, KeyError, NotImplementedError):
+        return False  # no map-style dataset to compare with: x is taken as a batch
+    first = first_tensor(x)
     return first is not None and item is not None and first.ndim == item.ndim
 
 
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    while isinstance(x, (tuple, list, dict)) and x:
-        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
-    return x if isinstance(x, torch.Tensor) else None
+class _Collect(Callback):
+    """Keeps each batch's output and first target, on the device."""
+
+    def __init__(self) -> None:
+        self.outputs: list[Any] = []
+        self.targets: list[torch.Tensor] = []
+
+    def on_batch_end(self, last_output: Any, last_target: Any, **kwargs: Any) -> None:
+        self.outputs.append(last_output)
+        self.targets.append(as_tuple(last_target)[0])
+
+
+def _cat(outputs: list[Any]) -> Any:
+    """Batches of outputs joined: a tensor, or a tuple for several outputs."""
+    if isinstance(outputs[0], (tuple, list)):
+        return tuple(torch.cat(parts) for parts in zip(*outputs))
+    return torch.cat(outputs)
 
 
 def _unsqueeze(x: Any) -> Any:

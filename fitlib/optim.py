@@ -64,17 +64,37 @@ class HPOptimizer:
     ) -> None:
         _check_positive("lr", lr)
         first_lr = lr if isinstance(lr, (int, float)) else lr[0]
-        self.opt = opt_func(params, lr=first_lr)
-        self.true_wd = true_wd
-        # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
-        self._native_wd = "decoupled_weight_decay" in self.opt.param_groups[0]
+        self._adopt(opt_func(params, lr=first_lr), true_wd)
         self.lr = lr
         if mom is not None:
             self.mom = mom
         if beta is not None:
             self.beta = beta
-        if wd or self.true_wd or self.has("wd"):
-            self.wd = wd
+        self.wd = wd
+
+    @classmethod
+    def wrap(cls, opt: torch.optim.Optimizer) -> HPOptimizer:
+        """An ``HPOptimizer`` over an existing optimizer, its settings as they are.
+
+        Example:
+            >>> opt = HPOptimizer.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+        """
+        if isinstance(opt, HPOptimizer):
+            return opt
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"opt must be a torch.optim.Optimizer or an HPOptimizer; got "
+                f"{type(opt).__name__}. Fix: fitlib.HPOptimizer(model.parameters(), "
+                "torch.optim.SGD, lr=0.1)."
+            )
+        wrapper = cls.__new__(cls)
+        wrapper._adopt(opt, true_wd=False)
+        return wrapper
+
+    def _adopt(self, opt: torch.optim.Optimizer, true_wd: bool) -> None:
+        self.opt, self.true_wd = opt, true_wd
+        # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
+        self._native_wd = "decoupled_weight_decay" in opt.param_groups[0]
 
     # -- the wrapped optimizer -------------------------------------------------
     @property
@@ -125,9 +145,20 @@ class HPOptimizer:
         return [_read(g, key, index) for g in self.param_groups]
 
     def set(self, name: str, value: HyperParam) -> None:
-        """Sets hyper-parameter ``name`` (float, or one value per group)."""
+        """Sets hyper-parameter ``name`` (float, or one value per group).
+
+        The one write path: the properties and schedulers all come here.
+        """
+        if name == "lr":
+            _check_positive("lr", value)
+        values = self._per_group(name, value)
+        if name == "wd" and self.true_wd:
+            self._set_true_wd(values)
+            return
+        if name == "wd" and not any(values) and not self.has("wd"):
+            return  # no weight decay on an optimizer without one: nothing to do
         key, index = self._key(name)
-        for group, v in zip(self.param_groups, self._per_group(name, value)):
+        for group, v in zip(self.param_groups, values):
             _write(group, key, index, v)
 
     @property
@@ -136,7 +167,6 @@ class HPOptimizer:
 
     @lr.setter
     def lr(self, value: HyperParam) -> None:
-        _check_positive("lr", value)
         self.set("lr", value)
 
     @property
@@ -161,10 +191,10 @@ class HPOptimizer:
 
     @wd.setter
     def wd(self, value: HyperParam) -> None:
-        values = self._per_group("wd", value)
-        if not self.true_wd:
-            self.set("wd", values)
-            return
+        self.set("wd", value)
+
+    # -- internals -------------------------------------------------------------
+    def _set_true_wd(self, values: list[float]) -> None:
         for group, v in zip(self.param_groups, values):
             group[_TRUE_WD_KEY] = v
             if self._native_wd:
@@ -172,7 +202,6 @@ class HPOptimizer:
             if "weight_decay" in group:
                 group["weight_decay"] = v if self._native_wd else 0.0
 
-    # -- internals -------------------------------------------------------------
     def _key(self, name: str, raise_missing: bool = True) -> tuple | None:
         group = self.param_groups[0]
         adam_like = "betas" in group

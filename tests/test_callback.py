@@ -362,3 +362,121 @@ def test_num_batch_counts_within_each_loader_and_iteration_across_epochs():
         (True, 0, 0), (True, 1, 1), (False, 0, 2), (False, 1, 2),
         (True, 0, 2), (True, 1, 3), (False, 0, 4), (False, 1, 4),
     ]  # fmt: skip
+
+
+def _count_valid_batches():
+    class CountValid(Callback):
+        order = 100
+
+        def __init__(self):
+            self.valid = []
+
+        def on_epoch_begin(self, **kwargs):
+            self.valid.append(0)
+
+        def on_batch_end(self, train, **kwargs):
+            if not train:
+                self.valid[-1] += 1
+
+    return CountValid()
+
+
+def test_stop_flags_set_in_training_leave_validation_whole():
+    data = make_data(n_train=64, n_valid=48, bs=16)  # 4 train, 3 valid batches
+    for flag in ("stop_epoch", "stop_training"):
+        counter = _count_valid_batches()
+        stop = _flag_cb("on_batch_end", {flag: True}, lambda i: i == 1)
+        run([stop, counter], epochs=2, data=data)
+        expected = [3] if flag == "stop_training" else [3, 3]
+        assert counter.valid == expected, flag
+
+
+def test_stop_epoch_during_validation_ends_validation_early():
+    class TwoValidBatches(Callback):
+        def on_batch_end(self, train, num_batch, **kwargs):
+            if not train and num_batch == 1:
+                return {"stop_epoch": True}
+
+    counter = _count_valid_batches()
+    data = make_data(n_train=32, n_valid=64, bs=16)
+    run([TwoValidBatches(), counter], epochs=2, data=data)
+    assert counter.valid == [2, 2]
+
+
+def test_state_holds_every_documented_key_in_every_hook_of_every_event():
+    seen = {}
+
+    class Keys(Callback):
+        pass
+
+    def hook_for(event):
+        def hook(self, **kwargs):
+            seen[event] = set(kwargs)
+
+        return hook
+
+    for ev in EVENTS:
+        setattr(Keys, ev, hook_for(ev))
+    run([Keys()])
+    assert set(seen) == set(EVENTS)
+    assert all(keys >= set(STATE_KEYS) for keys in seen.values())
+    assert "exception" in seen["on_train_end"]
+
+
+def test_stored_output_carries_no_graph_after_the_batch():
+    graphs = []
+
+    class Look(Callback):
+        def on_backward_begin(self, last_output, **kwargs):
+            graphs.append(last_output.grad_fn is not None)
+
+        def on_batch_end(self, last_output, train, **kwargs):
+            if train:
+                graphs.append(last_output.grad_fn is not None)
+
+    run([Look()], data=make_data(n_train=16, n_valid=16, bs=16))
+    assert graphs == [True, False]
+
+
+def test_every_on_train_end_runs_even_when_one_fails():
+    ran = []
+
+    class Fails(Callback):
+        order = 0
+
+        def on_train_end(self, **kwargs):
+            raise OSError("cannot close file")
+
+    class Cleanup(Callback):
+        order = 1
+
+        def on_train_end(self, exception, **kwargs):
+            ran.append(exception)
+
+    with pytest.raises(OSError, match="cannot close file"):
+        run([Fails(), Cleanup()])
+    assert ran == [None]
+
+    class Boom(Callback):
+        def on_step_end(self, **kwargs):
+            raise RuntimeError("training broke")
+
+    with pytest.raises(RuntimeError, match="training broke") as info:
+        run([Boom(), Fails(), Cleanup()])  # the first error is the one raised
+    assert any("cannot close file" in note for note in info.value.__notes__)
+    assert isinstance(ran[-1], RuntimeError)
+
+
+def test_ctrl_c_after_the_last_batch_still_raises():
+    ended = []
+
+    class LateCtrlC(Callback):
+        def on_epoch_end(self, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+
+        def on_train_end(self, exception, **kwargs):
+            ended.append(exception)
+
+    with pytest.raises(KeyboardInterrupt):
+        run([LateCtrlC()], epochs=1)
+    assert isinstance(ended[0], KeyboardInterrupt)

@@ -200,7 +200,7 @@ def test_model_output_the_loss_cannot_take_names_the_shapes():
     with pytest.raises(ValueError) as info:
         _fit(loss_func=bce)
     text = str(info.value)
-    assert "loss_func binary_cross_entropy_with_logits could not take" in text
+    assert "loss_func binary_cross_entropy_with_logits failed" in text
     assert "output Tensor(shape=(16, 3), float32)" in text
     assert "targets (Tensor(shape=(16,), int64),)" in text
     assert "It said: Target size" in text
@@ -250,5 +250,29 @@ def test_non_callable_loss_and_non_module_model_and_bad_opt():
         _fit(loss_func="cross_entropy")
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         fit(1, object(), F.cross_entropy, None, make_data())
-    with pytest.raises(TypeError, match=r"opt must have step\(\) and zero_grad\(\)"):
+    with pytest.raises(TypeError, match=r"opt must be a torch\.optim\.Optimizer or"):
         fit(1, make_model(), F.cross_entropy, object(), make_data())
+
+
+def test_a_plain_torch_optimizer_is_wrapped_so_callbacks_can_set_its_lr():
+    seen = []
+
+    class HalveLr(Callback):
+        def on_batch_begin(self, opt, iteration, train, **kwargs):
+            if train:
+                opt.lr = 0.05 / (iteration + 1)
+
+        def on_step_end(self, opt, **kwargs):
+            seen.append((type(opt).__name__, opt.opt.param_groups[0]["lr"]))
+
+    model = make_model()
+    raw = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(1, model, F.cross_entropy, raw, make_data(), callbacks=[HalveLr()])
+    assert seen[:2] == [("HPOptimizer", 0.05), ("HPOptimizer", 0.025)]
+    assert raw.param_groups[0]["lr"] == 0.05 / len(seen)  # the user's optimizer
+
+
+def test_a_model_with_nothing_to_train_is_refused_before_training():
+    model = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no trainable parameter.*unfreeze"):
+        _fit(model=model)

@@ -211,3 +211,48 @@ def test_repr_says_what_the_learner_holds(tmp_path):
     assert text.startswith("Learner(Sequential, loss_func=cross_entropy")
     assert "opt_func=AdamW" in text and "metrics=['accuracy']" in text
     assert "DataBunch(7 train batches, 3 valid batches, device=cpu)" in text
+
+
+def test_freeze_with_a_single_layer_group_says_how_to_split_the_model(tmp_path):
+    with pytest.raises(ValueError, match=r"1 layer group.*layer_groups=\[body, head\]"):
+        learner(tmp_path).freeze()
+
+
+def test_a_second_fit_works_with_an_optimizer_without_weight_decay(tmp_path):
+    learn = learner(tmp_path, opt_func=torch.optim.Rprop, wd=0.0, true_wd=False)
+    learn.fit(1, lr=1e-2)
+    before = snapshot(learn.model)
+    learn.fit(1, lr=1e-2)
+    assert any(changed(before, learn.model))
+
+
+def test_get_preds_of_a_model_with_two_outputs_gives_a_tuple(tmp_path):
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 3), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    def first_head_loss(out, y):
+        return F.cross_entropy(out[0], y)
+
+    learn = Learner(make_data(), TwoHeads(), first_head_loss, progress=False)
+    (a, b), targets = learn.get_preds()
+    assert a.shape == (37, 3) and b.shape == (37, 2) and targets.shape == (37,)
+
+
+def test_predict_with_an_iterable_dataset_treats_input_as_a_batch(tmp_path):
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(32):
+                yield torch.randn(8, generator=g), torch.tensor(1)
+
+    data = make_data()
+    data.valid_dl = DataLoader(Stream(), 8)
+    learn = Learner(data, make_model(), F.cross_entropy, progress=False)
+    assert learn.predict(torch.randn(4, 8)).shape == (4, 3)

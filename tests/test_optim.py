@@ -145,3 +145,29 @@ def test_unknown_hyper_parameter_name():
     opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="knows 'lr', 'mom', 'wd' and 'beta'"):
         opt.set("momentum", 0.9)
+
+
+def test_set_is_the_one_write_path_for_checks_and_decoupled_decay():
+    opt = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-2, true_wd=True)
+    opt.set("wd", 0.5)
+    group = opt.param_groups[0]
+    assert group["weight_decay"] == 0.5 and group["decoupled_weight_decay"]
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        opt.set("lr", 0)
+
+
+def test_zero_weight_decay_is_accepted_by_optimizers_without_weight_decay():
+    opt = HPOptimizer(params().parameters(), torch.optim.Rprop, lr=0.01)
+    opt.wd = 0.0  # e.g. a Learner's second fit: nothing to do
+    with pytest.raises(ValueError, match="Rprop has no hyper-parameter 'wd'"):
+        opt.wd = 0.1
+
+
+def test_wrap_adopts_an_existing_optimizer_as_it_is():
+    model = params()
+    raw = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = HPOptimizer.wrap(raw)
+    assert opt.opt is raw and (opt.lr, opt.mom) == (0.1, 0.9)
+    assert HPOptimizer.wrap(opt) is opt
+    with pytest.raises(TypeError, match=r"opt must be a torch\.optim\.Optimizer"):
+        HPOptimizer.wrap(object())

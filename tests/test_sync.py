@@ -17,6 +17,12 @@ from fitlib import DataBunch, Learner
 from fitlib.metrics import F1Score, accuracy, top_k_accuracy
 
 SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
+SYNCING += ["nonzero"]  # its output size depends on the data: a sync on a GPU
+
+
+def _to_host(args, kwargs):
+    target = kwargs.get("device", args[0] if args else None)
+    return target is not None and str(target).startswith("cpu")
 
 
 @pytest.fixture
@@ -30,6 +36,13 @@ def sync_counter(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    original_to = torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):
+        counts["n"] += _to_host(args, kwargs)  # a copy to the host waits for it
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
     return counts
 
 

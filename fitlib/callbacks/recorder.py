@@ -27,8 +27,11 @@ _EPOCH_KEYS = (
     "train_losses",
     "valid_losses",
     "metrics",
+    "epoch_metric_names",
     "times",
 )
+# Per-epoch keys whose items are lists: copied one level deeper.
+_NESTED_KEYS = ("metrics", "epoch_metric_names")
 _NOT_FIT = "nothing to plot yet: call fit first, with this Recorder in the callbacks"
 
 
@@ -41,8 +44,9 @@ class Recorder(Callback):
     ``losses``, ``smooth_losses``, ``iterations`` and ``batch_sizes`` per
     training step; ``epochs``, ``epoch_iterations`` (the last iteration of each
     epoch), ``train_losses``, ``valid_losses`` (NaN when validation was
-    skipped), ``metrics`` (one list per epoch, ordered as ``metric_names``) and
-    ``times`` (seconds) per epoch.
+    skipped), ``metrics`` (one list per epoch), ``epoch_metric_names`` (their
+    names, per epoch: fits may use different metrics) and ``times`` (seconds)
+    per epoch. ``metric_names`` are the latest fit's metric names.
 
     ``lr`` and momentum are those of the last parameter group, read right after
     ``opt.step()``: the values the step used, even when a scheduler sets the
@@ -77,6 +81,7 @@ class Recorder(Callback):
         self.train_losses: list[float] = []
         self.valid_losses: list[float] = []
         self.metrics: list[list[float]] = []
+        self.epoch_metric_names: list[list[str]] = []
         self.times: list[float] = []
         self.metric_names: list[str] = []
         self._hyper = (math.nan, None)
@@ -131,6 +136,7 @@ class Recorder(Callback):
 
     def on_epoch_end(self, last_metrics: list | None, **kwargs: Any) -> None:
         """Runs after validation: records the epoch, with one host transfer."""
+        # Not None, last_metrics starts with the valid loss: values is never empty.
         values = self._flush(last_metrics or [])
         if last_metrics is None:
             values = [math.nan] * (1 + len(self.metric_names))
@@ -140,8 +146,9 @@ class Recorder(Callback):
         self.train_losses.append(
             weighted_mean(self._losses[first:], self.batch_sizes[first:])
         )
-        self.valid_losses.append(values[0] if values else math.nan)
+        self.valid_losses.append(values[0])
         self.metrics.append(values[1:])
+        self.epoch_metric_names.append(list(self.metric_names))
         # After the transfer, which waited for the device: the epoch's real time.
         self.times.append(time.perf_counter() - self._t0)
 
@@ -161,7 +168,8 @@ class Recorder(Callback):
     def state_dict(self) -> dict:
         """The whole history as plain python lists, numbers and strings."""
         state = {k: list(getattr(self, k)) for k in _STEP_KEYS + _EPOCH_KEYS}
-        state["metrics"] = [list(m) for m in self.metrics]
+        for key in _NESTED_KEYS:
+            state[key] = [list(v) for v in getattr(self, key)]
         state["metric_names"] = list(self.metric_names)
         return state
 
@@ -184,12 +192,16 @@ class Recorder(Callback):
         for key in _STEP_KEYS + _EPOCH_KEYS:  # copies: later fits append to them
             attr = {"losses": "_losses", "smooth_losses": "_smooth"}.get(key, key)
             setattr(self, attr, list(state[key]))
-        self.metrics = [list(m) for m in self.metrics]
+        for key in _NESTED_KEYS:
+            setattr(self, key, [list(v) for v in state[key]])
         self.metric_names = list(state["metric_names"])
 
     # -- reading ---------------------------------------------------------------
     def epoch_table(self) -> list[dict]:
         """One dict per epoch: epoch, train_loss, valid_loss, each metric, time.
+
+        Each row has the metrics of its own epoch's fit, so rows of fits with
+        different metrics have different keys.
 
         Example:
             >>> rec.epoch_table()[0]
@@ -201,14 +213,15 @@ class Recorder(Callback):
             self.train_losses,
             self.valid_losses,
             self.metrics,
+            self.epoch_metric_names,
             self.times,
             strict=True,
         )
         return [
             {"epoch": e, "train_loss": t, "valid_loss": v}
-            | dict(zip(self.metric_names, m, strict=False))
+            | dict(zip(names, m, strict=False))
             | {"time": s}
-            for e, t, v, m, s in rows
+            for e, t, v, m, names, s in rows
         ]
 
     def plot_losses(self) -> Any:
@@ -250,20 +263,27 @@ class Recorder(Callback):
     def plot_metrics(self) -> Any:
         """One panel per metric, its value per epoch.
 
+        A metric that only some fits computed is NaN (a gap) in the other
+        epochs. Panels follow the order in which the metrics first appeared.
+
         Returns the matplotlib Figure.
         """
         if not self.epochs:
             raise ValueError(f"no epoch has finished yet; {_NOT_FIT}.")
-        if not self.metric_names:
+        names = list(dict.fromkeys(n for ns in self.epoch_metric_names for n in ns))
+        if not names:
             raise ValueError(
                 "no metrics were recorded. Fix: pass metrics=[...] to fit (or to "
                 "the Learner)."
             )
-        names = self.metric_names
+        per_epoch = [
+            dict(zip(ns, m, strict=False))
+            for ns, m in zip(self.epoch_metric_names, self.metrics, strict=True)
+        ]
         fig = _figure()
         axes = fig.subplots(1, len(names), squeeze=False)
-        for i, (ax, name) in enumerate(zip(axes[0], names, strict=True)):
-            ys = [m[i] if i < len(m) else math.nan for m in self.metrics]
+        for ax, name in zip(axes[0], names, strict=True):
+            ys = [values.get(name, math.nan) for values in per_epoch]
             ax.plot(self.epochs, ys, "o-")
             ax.set(xlabel="epoch", ylabel=name)
         return fig

@@ -4,7 +4,6 @@
 only the final values reach Python, once per epoch, through the caller.
 """
 
-import functools
 import re
 from collections.abc import Callable
 from typing import NoReturn
@@ -12,7 +11,7 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
-from fitlib.errors import describe, reraise
+from fitlib.errors import describe, name_of, reraise
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -69,8 +68,7 @@ class AvgMetric(Metric):
 
     def __init__(self, func: Callable[..., Tensor]) -> None:
         self.func = func
-        inner = func.func if isinstance(func, functools.partial) else func
-        self.name = getattr(inner, "__name__", _snake_case(type(inner).__name__))
+        self.name = name_of(func)
         super().__init__()
 
     def reset(self) -> None:

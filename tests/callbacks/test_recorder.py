@@ -11,7 +11,7 @@ from torch.nn import functional as F  # noqa: N812
 from fitlib import Callback, DataBunch, HPOptimizer, fit
 from fitlib.callback import STATE_KEYS
 from fitlib.callbacks.recorder import Recorder
-from fitlib.metrics import Metrics, accuracy
+from fitlib.metrics import Metrics, accuracy, error_rate
 
 
 class FakeOpt:
@@ -297,3 +297,88 @@ def test_plots_leave_no_open_pyplot_figure():
     figs = [rec.plot_losses(), rec.plot_lr(show_moms=True), rec.plot_metrics()]
     assert plt.get_fignums() == []
     assert all(len(fig.axes) >= 1 for fig in figs)
+
+
+# -- fits with different metrics -------------------------------------------------
+def test_epoch_table_and_plot_keep_each_epochs_own_metric_names():
+    rec = Recorder()
+    rec.on_train_begin(**state(metrics=Metrics([accuracy])))
+    drive_epoch(rec, [1.0], [2], [torch.tensor(0.5), torch.tensor(0.75)])
+    rec.on_train_begin(**state(metrics=Metrics([error_rate, accuracy])))
+    drive_epoch(rec, [1.0], [2], [torch.tensor(0.25), 0.125, torch.tensor(0.875)])
+    first, second = ({k: r[k] for k in r if k != "time"} for r in rec.epoch_table())
+    assert first == {"epoch": 0, "train_loss": 1.0, "valid_loss": 0.5, "accuracy": 0.75}
+    assert second == {
+        "epoch": 1,
+        "train_loss": 1.0,
+        "valid_loss": 0.25,
+        "error_rate": 0.125,
+        "accuracy": 0.875,
+    }
+    assert rec.epoch_metric_names == [["accuracy"], ["error_rate", "accuracy"]]
+    assert rec.metric_names == ["error_rate", "accuracy"]
+    axes = rec.plot_metrics().axes
+    assert [ax.get_ylabel() for ax in axes] == ["accuracy", "error_rate"]
+    assert list(axes[0].lines[0].get_ydata()) == [0.75, 0.875]
+    errors = list(axes[1].lines[0].get_ydata())
+    assert math.isnan(errors[0]) and errors[1] == 0.125
+
+
+class MetricSpy(Callback):
+    """Reads each epoch's validation results, named by the fit's metrics."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_begin(self, metrics, **kwargs):
+        self.names = list(metrics.names)
+
+    def on_epoch_end(self, last_metrics, **kwargs):
+        valid_loss, *values = (float(v) for v in last_metrics)
+        self.rows.append(
+            {"valid_loss": valid_loss} | dict(zip(self.names, values, strict=True))
+        )
+
+
+def test_two_fits_with_different_metrics_label_every_epoch_right():
+    rec, spy = Recorder(), MetricSpy()
+    train([rec, spy], epochs=2, metrics=[accuracy])
+    train([rec, spy], epochs=1, metrics=[error_rate, accuracy])
+    table = rec.epoch_table()
+    assert [list(r) for r in table] == [
+        ["epoch", "train_loss", "valid_loss", "accuracy", "time"]
+    ] * 2 + [["epoch", "train_loss", "valid_loss", "error_rate", "accuracy", "time"]]
+    for row, expected in zip(table, spy.rows, strict=True):
+        got = {k: v for k, v in row.items() if k not in ("epoch", "train_loss", "time")}
+        assert got == pytest.approx(expected)
+    assert table[2]["error_rate"] == pytest.approx(1 - table[2]["accuracy"])
+    axes = rec.plot_metrics().axes
+    assert [ax.get_ylabel() for ax in axes] == ["accuracy", "error_rate"]
+    accs = [r["accuracy"] for r in spy.rows]
+    assert list(axes[0].lines[0].get_ydata()) == pytest.approx(accs)
+    errors = list(axes[1].lines[0].get_ydata())
+    assert all(math.isnan(e) for e in errors[:2])
+    assert errors[2] == pytest.approx(spy.rows[2]["error_rate"])
+
+
+def test_state_dict_round_trip_keeps_the_metric_names_of_each_epoch():
+    rec = Recorder()
+    train([rec], epochs=1, metrics=[accuracy])
+    train([rec], epochs=1, metrics=[error_rate])
+    buf = io.BytesIO()
+    torch.save(rec.state_dict(), buf)
+    buf.seek(0)
+    restored = Recorder()
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    assert restored.epoch_metric_names == [["accuracy"], ["error_rate"]]
+    assert restored.metric_names == ["error_rate"]
+    assert restored.epoch_table() == rec.epoch_table()
+    sd = rec.state_dict()
+    sd["epoch_metric_names"][0].append("changed")  # state_dict copies the lists
+    assert rec.epoch_metric_names[0] == ["accuracy"]
+    restored.load_state_dict(sd)
+    sd["epoch_metric_names"][1].append("changed")  # and so does load_state_dict
+    assert restored.epoch_metric_names[1] == ["error_rate"]
+    sd["epoch_metric_names"] = sd["epoch_metric_names"][:-1]
+    with pytest.raises(ValueError, match="truncated"):
+        Recorder().load_state_dict(sd)
