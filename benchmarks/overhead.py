@@ -5,9 +5,10 @@ validation (loss and accuracy) after each epoch, one thread. Both sides use
 the same optimizer (AdamW) and the same cheap batch iterator, so the ratio
 shows the loop's and the callbacks' cost, not a DataLoader's.
 
-The runs are interleaved (hand, fitlib, fitlib+bar, hand, ...) so drifts in
-machine speed hit every variant alike; the ratio is the median of per-round
-ratios.
+The runs are interleaved (hand, fitlib, fitlib+bar, hand again, ...) so
+drifts in machine speed hit every variant alike; the ratio is the median of
+per-round ratios. The second hand-written run is a control: its distance from
+1.000x is the noise of the measurement on this machine.
 
 Run: ``make bench`` or ``.venv/bin/python benchmarks/overhead.py --rounds 15``
 """
@@ -113,6 +114,8 @@ def main() -> None:
         "hand-written": lambda: hand_written(train, valid),
         "fitlib (no bar)": lambda: with_fitlib(train, valid, progress=False),
         "fitlib (bar)": lambda: with_fitlib(train, valid, progress=True),
+        # The same loop again: its ratio shows how far noise alone moves one.
+        "hand (control)": lambda: hand_written(train, valid),
     }
     for run in variants.values():  # warm-up: allocators, lazy imports
         run()
