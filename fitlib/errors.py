@@ -44,7 +44,11 @@ def add_note(exc: BaseException, note: str) -> None:
     """Adds ``note`` to ``exc``'s traceback (its message on Python 3.10)."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
-    elif exc.args and isinstance(exc.args[0], str):
+        return
+    # Python 3.10: keep the notes as 3.11 does, and show them in the message,
+    # since its tracebacks do not print __notes__.
+    exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+    if exc.args and isinstance(exc.args[0], str):
         exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
 
 
