@@ -5,18 +5,28 @@ validation (loss and accuracy) after each epoch, one thread. Both sides use
 the same optimizer (AdamW) and the same cheap batch iterator, so the ratio
 shows the loop's and the callbacks' cost, not a DataLoader's.
 
-The runs are interleaved (hand, fitlib, fitlib+bar, hand again, ...) so
-drifts in machine speed hit every variant alike; the ratio is the median of
-per-round ratios. The second hand-written run is a control: its distance from
-1.000x is the noise of the measurement on this machine.
+The runs are interleaved, in a new random order each round, so drifts in
+machine speed and the cost of running right after another variant hit every
+variant alike; the ratio is the median of per-round ratios. The second
+hand-written run is a control: its distance from 1.000x is the noise of the
+measurement. Each process repeats this, and the result is the median over
+several fresh processes, because on a virtual machine the memory layout a
+process happens to get moves every variant in it by several percent. Times
+are the process's CPU seconds (one thread, no workers), which a busy
+neighbour on the host does not inflate as it does wall-clock time.
 
-Run: ``make bench`` or ``.venv/bin/python benchmarks/overhead.py --rounds 15``
+Run: ``make bench`` or ``.venv/bin/python benchmarks/overhead.py --processes 5``
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -64,7 +74,7 @@ def hand_written(train: Batches, valid: Batches) -> float:
     """What a careful person writes: train loss, valid loss and accuracy."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(EPOCHS):
         model.train()
         train_loss, n = 0.0, 0
@@ -82,7 +92,7 @@ def hand_written(train: Batches, valid: Batches) -> float:
                 valid_loss = valid_loss + F.cross_entropy(out, y) * len(y)
                 correct, m = correct + (out.argmax(1) == y).sum(), m + len(y)
         _ = [float(train_loss / n), float(valid_loss / m), float(correct / m)]
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def with_fitlib(train: Batches, valid: Batches, progress: bool) -> float:
@@ -99,15 +109,13 @@ def with_fitlib(train: Batches, valid: Batches, progress: bool) -> float:
         progress=False,
         callbacks=bar,
     )
-    start = time.perf_counter()
+    start = time.process_time()
     learn.fit(EPOCHS, lr=LR)
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    args = parser.parse_args()
+def one_process(rounds: int) -> dict[str, tuple[float, float]]:
+    """Interleaved rounds in this process: {variant: (median s, median ratio)}."""
     torch.set_num_threads(1)
     train, valid = make_data()
     variants = {
@@ -120,16 +128,50 @@ def main() -> None:
     for run in variants.values():  # warm-up: allocators, lazy imports
         run()
     times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, run in variants.items():
-            times[name].append(run())
+    order, rng = list(variants), random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)  # each variant visits every position in the round
+        for name in order:
+            gc.collect()
+            times[name].append(variants[name]())
     base = times["hand-written"]
+    return {
+        name: (
+            statistics.median(ts),
+            statistics.median(t / b for t, b in zip(ts, base)),
+        )
+        for name, ts in times.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per process")
+    parser.add_argument("--processes", type=int, default=5)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(one_process(args.rounds)))
+        return
+    runs = []
+    for i in range(args.processes):
+        cmd = [sys.executable, __file__, "--child", "--rounds", str(args.rounds)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+        print(f"process {i + 1}: " + "  ".join(
+            f"{name} {ratio:.3f}x" for name, (_, ratio) in runs[-1].items()
+        ))  # fmt: skip
     print(
-        f"\n{args.rounds} interleaved rounds, {EPOCHS} epochs of {len(train)} batches"
+        f"\n{args.processes} processes x {args.rounds} interleaved rounds, "
+        f"{EPOCHS} epochs of {N_TRAIN // BS} batches; CPU seconds of one thread"
     )
-    for name, ts in times.items():
-        ratio = statistics.median(t / b for t, b in zip(ts, base))
-        print(f"{name:>16}: median {statistics.median(ts):.3f}s  ratio {ratio:.3f}x")
+    for name in runs[0]:
+        ratios = [run[name][1] for run in runs]
+        secs = statistics.median(run[name][0] for run in runs)
+        print(
+            f"{name:>16}: median {secs:.3f}s  ratio {statistics.median(ratios):.3f}x"
+            f"  (per process {min(ratios):.3f}-{max(ratios):.3f})"
+        )
 
 
 if __name__ == "__main__":
