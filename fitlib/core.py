@@ -15,7 +15,7 @@ from torch import nn
 
 from fitlib.callback import Callback, CallbackHandler
 from fitlib.errors import add_note, describe, name_of, reraise
-from fitlib.metrics import Metrics, accumulation_dtype
+from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 from fitlib.optim import HPOptimizer
 
 LossFunc = Callable[..., torch.Tensor]
@@ -129,19 +129,18 @@ def validate(
     device = model_device(model)
     model.eval()
     metrics.reset()
-    total, count = torch.zeros((), dtype=accumulation_dtype(device), device=device), 0
+    losses, sizes = [], []  # summed once at the end: cheaper than per batch
     with torch.no_grad():
         for xb, yb in batches(dl, device, "valid_dl"):
             xb, yb = cb_handler.on_batch_begin(xb, yb, train=False)
             loss = loss_batch(model, xb, yb, loss_func, None, cb_handler)
-            n = batch_size(yb, xb)
-            total.add_(loss, alpha=n)
-            count += n
+            losses.append(loss)
+            sizes.append(batch_size(yb, xb))
             if metrics:
                 metrics.update(cb_handler.state["last_output"], as_tuple(yb))
             if cb_handler.on_batch_end(loss):
                 break
-    return [total / count, *metrics.compute()]
+    return [weighted_sum(losses, sizes) / sum(sizes), *metrics.compute()]
 
 
 class DataBunch:
@@ -223,6 +222,8 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
 
 def batch_size(yb: Any, xb: Any = None) -> int:
     """The number of samples in a batch, read from the targets (or inputs)."""
+    if type(yb) is torch.Tensor and yb.ndim:  # the usual case, per batch
+        return yb.shape[0]
     for part in (yb, xb):
         t = first_tensor(part)
         if t is not None and t.ndim:

@@ -93,6 +93,7 @@ class HPOptimizer:
 
     def _adopt(self, opt: torch.optim.Optimizer, true_wd: bool) -> None:
         self.opt, self.true_wd = opt, true_wd
+        self.stepped: tuple[Any, Any] | None = None
         # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
         self._native_wd = "decoupled_weight_decay" in opt.param_groups[0]
 
@@ -106,7 +107,14 @@ class HPOptimizer:
         return self.opt.state
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Applies decoupled weight decay (if the wrapper owns it), then steps."""
+        """Applies decoupled weight decay (if the wrapper owns it), then steps.
+
+        Notes in ``stepped`` the ``(lr, mom)`` of the last parameter group that
+        this step uses: a scheduler may set the next values before anyone reads
+        them (the Recorder reads ``stepped`` at the end of the batch).
+        """
+        group = self.opt.param_groups[-1]
+        self.stepped = (group["lr"], momentum(group))
         if self.true_wd and not self._native_wd:
             self._decay()
         return self.opt.step(closure)
@@ -249,6 +257,12 @@ class HPOptimizer:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.mul_(factor)
+
+
+def momentum(group: dict) -> Any:
+    """A parameter group's momentum (Adam's beta1), or None if it has none."""
+    betas = group.get("betas")
+    return group.get("momentum") if betas is None else betas[0]
 
 
 def _read(group: dict, key: str, index: int | None) -> float:

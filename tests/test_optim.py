@@ -171,3 +171,21 @@ def test_wrap_adopts_an_existing_optimizer_as_it_is():
     assert HPOptimizer.wrap(opt) is opt
     with pytest.raises(TypeError, match=r"opt must be a torch\.optim\.Optimizer"):
         HPOptimizer.wrap(object())
+
+
+@pytest.mark.parametrize(
+    ("opt_func", "mom"),
+    [(torch.optim.SGD, 0.9), (torch.optim.AdamW, 0.8), (torch.optim.Rprop, None)],
+)
+def test_step_notes_the_lr_and_momentum_it_used(opt_func, mom):
+    model = params()
+    kwargs = {} if mom is None else {"mom": mom}
+    opt = HPOptimizer(model.parameters(), opt_func, lr=0.1, **kwargs)
+    assert opt.stepped is None
+    train(model, opt, steps=1)
+    opt.lr = 0.01  # a scheduler setting the next step's lr
+    if mom is not None:
+        opt.mom = 0.5
+    assert opt.stepped == (0.1, mom)
+    train(model, opt, steps=1)
+    assert opt.stepped == (0.01, None if mom is None else 0.5)

@@ -83,27 +83,20 @@ class ProgressBar(Callback):
         self._sizes: list[int] = []
         self._smooth: torch.Tensor | None = None
 
-    def on_batch_end(
-        self,
-        train: bool,
-        data: Any,
-        last_loss: torch.Tensor,
-        smooth_loss: torch.Tensor | None,
-        last_target: Any,
-        last_input: Any,
-        **kwargs: Any,
-    ) -> None:
+    # One dict rather than named parameters: see Recorder.on_batch_end.
+    def on_batch_end(self, **state: Any) -> None:
         """Runs after each batch: keeps the loss, redraws when time is up."""
+        train = state["train"]
         if train is not self._phase:
             # Opened here rather than in on_batch_begin: each hook a callback
             # overrides costs a call per batch.
-            self._open_bar(train, data)
+            self._open_bar(train, state["data"])
         self._n += 1
         if train:
             # Summed at epoch end: a list append costs less than a device op.
-            self._losses.append(last_loss)  # detached by the loop
-            self._sizes.append(batch_size(last_target, last_input))
-            self._smooth = smooth_loss
+            self._losses.append(state["last_loss"])  # detached by the loop
+            self._sizes.append(batch_size(state["last_target"], state["last_input"]))
+            self._smooth = state["smooth_loss"]
         now = time.perf_counter()
         if now - self._last_draw >= self.refresh:
             self._draw(now)

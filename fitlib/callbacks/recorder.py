@@ -19,6 +19,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.core import batch_size, to_floats, weighted_mean
+from fitlib.optim import momentum
 
 _STEP_KEYS = ("lrs", "moms", "losses", "smooth_losses", "iterations", "batch_sizes")
 _EPOCH_KEYS = (
@@ -48,9 +49,10 @@ class Recorder(Callback):
     names, per epoch: fits may use different metrics) and ``times`` (seconds)
     per epoch. ``metric_names`` are the latest fit's metric names.
 
-    ``lr`` and momentum are those of the last parameter group, read right after
-    ``opt.step()``: the values the step used, even when a scheduler sets the
-    next ones later in the same batch.
+    ``lr`` and momentum are those of the last parameter group that the batch's
+    ``opt.step()`` used (``HPOptimizer.stepped``), even when a scheduler sets
+    the next ones later in the same batch; a batch without a step records the
+    latest step's values.
 
     Example:
         >>> rec = Recorder()
@@ -84,7 +86,6 @@ class Recorder(Callback):
         self.epoch_metric_names: list[list[str]] = []
         self.times: list[float] = []
         self.metric_names: list[str] = []
-        self._hyper = (math.nan, None)
         self._epoch_first, self._t0 = 0, time.perf_counter()
 
     @property
@@ -109,30 +110,20 @@ class Recorder(Callback):
         """Runs at the start of each epoch: starts its clock."""
         self._epoch_first, self._t0 = len(self.iterations), time.perf_counter()
 
-    def on_step_end(self, opt: Any, **kwargs: Any) -> None:
-        """Runs right after ``opt.step()``: reads the lr and momentum it used."""
-        group = opt.param_groups[-1]
-        self._hyper = (float(group["lr"]), _momentum(group))
-
-    def on_batch_end(
-        self,
-        train: bool,
-        last_loss: torch.Tensor,
-        smooth_loss: torch.Tensor | None,
-        last_target: Any,
-        last_input: Any,
-        **kwargs: Any,
-    ) -> None:
+    # The per-batch hook takes the state as one dict: each named parameter
+    # would make Python compare its name with every other state key, per call.
+    def on_batch_end(self, **state: Any) -> None:
         """Runs after each batch: records a training step (no sync)."""
-        if not train:
+        if not state["train"]:
             return
-        lr, mom = self._hyper
+        lr, mom = _hypers(state["opt"])
         self.lrs.append(lr)
         self.moms.append(mom)
         self.iterations.append(len(self.iterations))
-        self.batch_sizes.append(batch_size(last_target, last_input))
-        self._pending.append(last_loss)  # detached by the loop
-        self._pending_smooth.append(last_loss if smooth_loss is None else smooth_loss)
+        self.batch_sizes.append(batch_size(state["last_target"], state["last_input"]))
+        loss, smooth = state["last_loss"], state["smooth_loss"]
+        self._pending.append(loss)  # detached by the loop
+        self._pending_smooth.append(loss if smooth is None else smooth)
 
     def on_epoch_end(self, last_metrics: list | None, **kwargs: Any) -> None:
         """Runs after validation: records the epoch, with one host transfer."""
@@ -293,12 +284,19 @@ class Recorder(Callback):
             raise ValueError(f"no training step was recorded; {_NOT_FIT}.")
 
 
-def _momentum(group: dict) -> float | None:
-    if "betas" in group:
-        return float(group["betas"][0])
-    if "momentum" in group:
-        return float(group["momentum"])
-    return None
+def _hypers(opt: Any) -> tuple[float, float | None]:
+    """The (lr, momentum) of the last parameter group's latest step."""
+    # An HPOptimizer notes them in step(): a scheduler may already have set
+    # the next ones. Anything else is read as it is now.
+    lr, mom = getattr(opt, "stepped", None) or _current(opt.param_groups[-1])
+    return (
+        lr if type(lr) is float else float(lr),
+        mom if mom is None or type(mom) is float else float(mom),
+    )
+
+
+def _current(group: dict) -> tuple[Any, Any]:
+    return group["lr"], momentum(group)
 
 
 def _figure() -> Any:

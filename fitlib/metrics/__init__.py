@@ -11,6 +11,7 @@ from fitlib.metrics.accumulate import (
     Metrics,
     accumulation_dtype,
     as_metric,
+    weighted_sum,
 )
 from fitlib.metrics.classification import F1Score, FBeta
 from fitlib.metrics.functions import accuracy, error_rate, mae, mse, top_k_accuracy
@@ -31,4 +32,5 @@ __all__ = [
     "mae",
     "mse",
     "top_k_accuracy",
+    "weighted_sum",
 ]

@@ -20,6 +20,21 @@ def accumulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def weighted_sum(values: list[Tensor], weights: list[int]) -> Tensor:
+    """``sum(w * v)`` of 0-dim device tensors, in the accumulation dtype.
+
+    Called once per data set, not per batch: a batch only appends its value,
+    which costs less than a device op. Values are grouped by weight (full
+    batches, then a ragged last one), so the weights never need a
+    host-to-device copy, which could wait for the device.
+    """
+    groups: dict[int, list[Tensor]] = {}
+    for v, w in zip(values, weights, strict=True):
+        groups.setdefault(w, []).append(v)
+    dtype = accumulation_dtype(values[0].device)
+    return sum(torch.stack(vs).to(dtype).sum() * w for w, vs in groups.items())
+
+
 def _snake_case(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
@@ -72,8 +87,8 @@ class AvgMetric(Metric):
         super().__init__()
 
     def reset(self) -> None:
-        self.total: Tensor | None = None
-        self.count = 0
+        self.values: list[Tensor] = []  # batch means, summed in compute()
+        self.sizes: list[int] = []
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         ref = targets[0] if targets and targets[0].ndim > 0 else output
@@ -88,18 +103,15 @@ class AvgMetric(Metric):
                 f"{self.name} returned shape {tuple(val.shape)}, not a batch mean. "
                 "Fix: return a 0-dim tensor, e.g. per_sample.mean()."
             )
-        if self.total is None:
-            dtype = accumulation_dtype(output.device)
-            self.total = torch.zeros((), dtype=dtype, device=output.device)
         if val.requires_grad:  # only outside no_grad; validation never pays it
             val = val.detach()
-        self.total.add_(val, alpha=n)  # one device op per batch
-        self.count += n
+        self.values.append(val)
+        self.sizes.append(n)
 
     def compute(self) -> Tensor:
-        if self.total is None:
+        if not self.values:
             raise self._no_data()
-        return self.total / self.count
+        return weighted_sum(self.values, self.sizes) / sum(self.sizes)
 
 
 class _TorchMetricAdapter(Metric):

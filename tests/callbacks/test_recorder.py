@@ -34,7 +34,6 @@ def drive_epoch(rec, losses, sizes, last_metrics, opt=None, valid_batches=2):
     opt = opt or FakeOpt({"lr": 0.1, "momentum": 0.9})
     rec.on_epoch_begin(**state())
     for loss, bs in zip(losses, sizes, strict=True):
-        rec.on_step_end(**state(train=True, opt=opt))
         t = torch.tensor(loss)
         rec.on_batch_end(
             **state(
@@ -137,10 +136,15 @@ def test_reading_losses_mid_epoch_keeps_the_epoch_mean_exact():
     opt = FakeOpt({"lr": 0.1})
     rec.on_epoch_begin(**state())
     for i, (loss, bs) in enumerate([(1.0, 4), (2.0, 4), (6.0, 2)]):
-        rec.on_step_end(**state(train=True, opt=opt))
         t = torch.tensor(loss)
         rec.on_batch_end(
-            **state(train=True, last_loss=t, smooth_loss=t, last_target=torch.zeros(bs))
+            **state(
+                train=True,
+                opt=opt,
+                last_loss=t,
+                smooth_loss=t,
+                last_target=torch.zeros(bs),
+            )
         )
         assert len(rec.losses) == i + 1  # a read moves the pending steps
     rec.on_epoch_end(**state(last_metrics=[torch.tensor(1.0)]))
@@ -382,3 +386,19 @@ def test_state_dict_round_trip_keeps_the_metric_names_of_each_epoch():
     sd["epoch_metric_names"] = sd["epoch_metric_names"][:-1]
     with pytest.raises(ValueError, match="truncated"):
         Recorder().load_state_dict(sd)
+
+
+def test_a_batch_without_a_step_records_the_latest_steps_lr():
+    class StepEveryOther(Callback):  # as gradient accumulation does
+        def on_backward_end(self, iteration, **kwargs):
+            return {"skip_step": iteration % 2 == 0}
+
+        def on_batch_end(self, train, iteration, opt, **kwargs):
+            if train:
+                opt.lr = 0.1 / (iteration + 2)
+
+    rec = Recorder()
+    train([rec, StepEveryOther()], epochs=1)
+    # Batch 1 steps with the lr set after batch 0; batch 2 has no step and
+    # repeats it; batch 3 steps with the lr set after batch 2.
+    assert rec.lrs[1:4] == [0.05, 0.05, 0.1 / 4]
