@@ -222,8 +222,6 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
 
 def batch_size(yb: Any, xb: Any = None) -> int:
     """The number of samples in a batch, read from the targets (or inputs)."""
-    if type(yb) is torch.Tensor and yb.ndim:  # the usual case, per batch
-        return yb.shape[0]
     for part in (yb, xb):
         t = first_tensor(part)
         if t is not None and t.ndim:
