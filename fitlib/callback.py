@@ -1,8 +1,9 @@
 """Callbacks and the handler that runs them between the lines of the loop.
 
 The handler keeps one state dict and passes it to every hook as keyword
-arguments. A hook changes training by returning a dict of updates; later
-callbacks of the same event see them.
+arguments: a hook with ``**kwargs`` receives every key, a hook without receives
+only the keys it names. A hook changes training by returning a dict of updates;
+later callbacks of the same event see them.
 
 State keys (the only keys a hook may return):
 
@@ -29,7 +30,10 @@ last_loss           the current batch's loss: the graph-carrying tensor from
                     ``on_backward_begin`` is what ``backward()`` uses), then
                     in ``on_batch_end`` the detached loss of ``loss_func``
 smooth_loss         debiased exponential moving average of the training loss
-                    (beta 0.98) since ``fit`` began, a detached device tensor
+                    (beta 0.98) since ``fit`` began, a detached device tensor;
+                    kept only when a callback's hook receives it (names it or
+                    takes ``**kwargs``), else None: it costs a device op per
+                    batch (``LossSmoother`` averages floats the same way)
 last_metrics        ``[valid_loss, *metric values]`` as device tensors after
                     validation, ``None`` when validation was skipped
 stop_epoch          set True to end the current loader after this batch: the
@@ -52,12 +56,13 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from fitlib.dispatch import hook_caller, receives
 from fitlib.errors import add_note
 
 EVENTS = (
@@ -98,20 +103,22 @@ STATE_KEYS = (
     "skip_validate",
 )
 _VALID_KEYS = frozenset(STATE_KEYS)
-_SMOOTH_BETA = 0.98
+SMOOTH_BETA = 0.98
 
 
 class Callback:
     """Base class: override the hooks you need; the others cost nothing.
 
-    A hook receives the whole state as keyword arguments and may return a dict
-    of updates to it (see the module docstring for the keys).
+    A hook names the state keys it reads as parameters and may return a dict
+    of updates to the state (see the module docstring for the keys). With
+    ``**kwargs`` it receives every key; without, only those it names, which is
+    faster: Python matches each keyword passed against the parameter names.
 
     Example:
         >>> class StopAfter(Callback):
         ...     def __init__(self, n):
         ...         self.n = n
-        ...     def on_batch_end(self, iteration, **kwargs):
+        ...     def on_batch_end(self, iteration):
         ...         if iteration + 1 >= self.n:
         ...             return {"stop_training": True}
     """
@@ -175,8 +182,36 @@ def _detached(x: Any) -> Any:
     return x
 
 
+Hook = Callable[[dict], Any]
+
+
 def _overrides(cb: Callback, event: str) -> bool:
     return getattr(type(cb), event) is not getattr(Callback, event)
+
+
+def call_hook(cb: Callback, event: str, **state: Any) -> dict | None:
+    """Calls ``cb``'s hook for ``event`` as the handler would; for tests.
+
+    The hook gets the state a new handler starts with, updated with ``state``
+    (plus ``exception`` for ``on_train_end``), and its return value comes back.
+
+    Example:
+        >>> call_hook(rec, "on_epoch_end", last_metrics=[torch.tensor(0.3)])
+    """
+    extra = {"exception": None} if event == "on_train_end" else {}
+    unknown = state.keys() - _VALID_KEYS - extra.keys()
+    if event not in EVENTS or unknown:
+        raise ValueError(
+            f"call_hook: {event!r} must be one of {', '.join(EVENTS)} and the "
+            f"state keys among {', '.join(STATE_KEYS)}; got unknown "
+            f"{sorted(unknown) or event!r}."
+        )
+    return _caller(cb, event)(CallbackHandler().state | extra | state)
+
+
+def _caller(cb: Callback, event: str) -> Hook:
+    extra = ("exception",) if event == "on_train_end" else ()
+    return hook_caller(getattr(cb, event), f"{cb.name}.{event}", STATE_KEYS + extra)
 
 
 def _check_callbacks(callbacks: Iterable[Any]) -> list[Callback]:
@@ -194,6 +229,31 @@ def _check_callbacks(callbacks: Iterable[Any]) -> list[Callback]:
                 "the hooks you need."
             )
     return callbacks
+
+
+class LossSmoother:
+    """The average of ``smooth_loss``, on the host, over python floats.
+
+    A callback that needs the smoothed loss only at epoch end keeps the raw
+    losses and smooths them here, in float64: the same numbers, without the
+    device op per batch that ``state['smooth_loss']`` costs.
+
+    Example:
+        >>> LossSmoother()([2.0, 1.0])
+        [2.0, 1.4949494949494933]
+    """
+
+    def __init__(self) -> None:
+        self.avg, self.n = 0.0, 0
+
+    def __call__(self, losses: Iterable[float]) -> list[float]:
+        """Adds ``losses`` in order; returns the debiased average after each."""
+        out = []
+        for loss in losses:
+            self.n += 1
+            self.avg += (1 - SMOOTH_BETA) * (loss - self.avg)
+            out.append(self.avg / (1 - SMOOTH_BETA**self.n))
+        return out
 
 
 class CallbackHandler:
@@ -216,20 +276,25 @@ class CallbackHandler:
         cbs = _check_callbacks(callbacks or [])
         self.callbacks = sorted(cbs, key=lambda cb: cb.order)
         self._hooks = {
-            ev: [(cb, getattr(cb, ev)) for cb in self.callbacks if _overrides(cb, ev)]
+            ev: [(cb, _caller(cb, ev)) for cb in self.callbacks if _overrides(cb, ev)]
             for ev in EVENTS
         }
         self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
         self.state.update(epoch=0, iteration=0, num_batch=0, train=False)
         self.interrupted = False
         self._n_smoothed = 0
+        self._smooth_read = any(
+            receives(getattr(cb, ev), "smooth_loss")
+            for ev, hooks in self._hooks.items()
+            for cb, _ in hooks
+        )
 
     def __call__(self, event: str, **extra: Any) -> None:
         """Calls ``event`` on every callback that overrides it."""
         kwargs = {**self.state, **extra} if extra else self.state
         for cb, hook in self._hooks[event]:
             try:
-                update = hook(**kwargs)
+                update = hook(kwargs)
             except Exception as e:
                 add_note(e, f"fitlib: raised in callback {cb.name}.{event}")
                 raise
@@ -299,7 +364,8 @@ class CallbackHandler:
         state["last_loss"] = loss
         train = state["train"]
         if train:
-            state["smooth_loss"] = self._smooth(state["smooth_loss"], loss)
+            if self._smooth_read:
+                state["smooth_loss"] = self._smooth(state["smooth_loss"], loss)
             # The output's graph would live until the next forward otherwise.
             state["last_output"] = _detached(state["last_output"])
         if self._hooks["on_batch_end"]:
@@ -319,7 +385,7 @@ class CallbackHandler:
         loss = loss if loss.dtype == torch.float32 else loss.float()
         if smooth is None:
             return loss
-        weight = (1 - _SMOOTH_BETA) / (1 - _SMOOTH_BETA**self._n_smoothed)
+        weight = (1 - SMOOTH_BETA) / (1 - SMOOTH_BETA**self._n_smoothed)
         return torch.lerp(smooth, loss, weight)
 
     def on_epoch_end(self, val_metrics: list[torch.Tensor] | None) -> bool:
@@ -335,10 +401,10 @@ class CallbackHandler:
         A failure is raised after the others ran, unless training already
         failed: then it becomes a note on that exception, which propagates.
         """
-        failures = []
+        failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:
-                hook(**self.state, exception=exception)
+                hook(state)
             except Exception as e:
                 add_note(e, f"fitlib: raised in callback {cb.name}.on_train_end")
                 failures.append(e)

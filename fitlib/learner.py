@@ -324,7 +324,7 @@ class _Collect(Callback):
         self.outputs: list[Any] = []
         self.targets: list[torch.Tensor] = []
 
-    def on_batch_end(self, last_output: Any, last_target: Any, **kwargs: Any) -> None:
+    def on_batch_end(self, last_output: Any, last_target: Any) -> None:
         self.outputs.append(last_output)
         self.targets.append(as_tuple(last_target)[0])
 

@@ -7,7 +7,7 @@ from helpers import clone_params, make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, CallbackHandler, HPOptimizer, fit
-from fitlib.callback import EVENTS, STATE_KEYS
+from fitlib.callback import EVENTS, STATE_KEYS, call_hook
 from fitlib.callbacks import Recorder
 
 
@@ -333,8 +333,13 @@ def test_ctrl_c_stops_after_the_batch_in_progress_with_a_whole_step():
         assert torch.equal(a, b)
 
 
+class ReadsSmoothLoss(Callback):
+    def on_epoch_end(self, smooth_loss):
+        pass
+
+
 def test_smooth_loss_is_the_debiased_moving_average_of_training_losses():
-    handler = CallbackHandler()
+    handler = CallbackHandler([ReadsSmoothLoss()])
     losses = [2.0, 1.0, 4.0, 0.5, 3.0]
     avg, expected = 0.0, []
     for n, value in enumerate(losses, start=1):
@@ -348,6 +353,25 @@ def test_smooth_loss_is_the_debiased_moving_average_of_training_losses():
     handler.on_batch_begin(None, None, train=False)  # validation leaves it alone
     handler.on_batch_end(torch.tensor(100.0))
     torch.testing.assert_close(handler.state["smooth_loss"], torch.tensor(expected[-1]))
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "kept"),
+    [
+        ([], False),
+        ([Recorder()], False),  # it smooths the losses it keeps, at epoch end
+        ([ReadsSmoothLoss()], True),
+        ([EveryHook()], True),  # **kwargs receives every key
+    ],
+)
+def test_smooth_loss_is_kept_only_when_a_callback_receives_it(callbacks, kept):
+    handler = CallbackHandler(callbacks)
+    handler.on_train_begin(1, opt=torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    for value in (2.0, 1.0):
+        handler.on_batch_begin(None, None, train=True)
+        handler.on_batch_end(torch.tensor(value))
+    smooth = handler.state["smooth_loss"]
+    assert (smooth is not None) == kept
 
 
 def test_num_batch_counts_within_each_loader_and_iteration_across_epochs():
@@ -480,3 +504,87 @@ def test_ctrl_c_after_the_last_batch_still_raises():
     with pytest.raises(KeyboardInterrupt):
         run([LateCtrlC()], epochs=1)
     assert isinstance(ended[0], KeyboardInterrupt)
+
+
+def test_a_hook_without_kwargs_receives_only_the_keys_it_names():
+    seen = []
+
+    class Named(Callback):
+        def on_train_begin(self):
+            seen.append("begin")
+
+        def on_epoch_begin(self, *, epoch):  # keyword-only works too
+            seen.append(("epoch", epoch))
+
+        def on_batch_end(self, train, iteration, num_batch):
+            seen.append((train, iteration, num_batch))
+            if train and num_batch == 1:
+                return {"stop_epoch": True}
+
+        def on_epoch_end(self, last_metrics, epoch):
+            seen.append(("end", epoch, len(last_metrics)))
+
+        def on_train_end(self, exception):
+            seen.append(exception)
+
+    run([Named()], epochs=2, data=make_data(n_train=64, n_valid=16, bs=16))
+    epoch = ["begin", ("epoch", 0), (True, 0, 0), (True, 1, 1), (False, 2, 0)]
+    epoch += [("end", 0, 1), ("epoch", 1), (True, 2, 0), (True, 3, 1)]
+    assert seen == [*epoch, (False, 4, 0), ("end", 1, 1), None]
+
+
+def test_a_hook_naming_an_unknown_key_is_a_type_error_before_training():
+    class Typo(Callback):
+        def on_batch_end(self, lastloss, iteration, _bound=0):
+            pass
+
+    with pytest.raises(TypeError, match=r"Typo\.on_batch_end") as info:
+        CallbackHandler([Typo()])
+    message = str(info.value)
+    assert "'lastloss'" in message and "last_loss" in message and "**kwargs" in message
+    assert "'iteration'" not in message and "_bound" not in message
+
+
+def test_a_parameter_with_a_default_that_is_no_state_key_keeps_its_default():
+    seen = []
+
+    class Bound(Callback):
+        def on_epoch_end(self, epoch, tag="a"):
+            seen.append((epoch, tag))
+
+        def on_train_end(self, tag="b", **kwargs):
+            seen.append((tag, "epoch" in kwargs))
+
+    run([Bound()], epochs=2)
+    assert seen == [(0, "a"), (1, "a"), ("b", True)]
+
+
+def test_only_on_train_end_may_name_the_exception():
+    class Early(Callback):
+        def on_epoch_end(self, exception):
+            pass
+
+    with pytest.raises(TypeError, match=r"Early\.on_epoch_end.*'exception'"):
+        CallbackHandler([Early()])
+
+
+def test_a_hook_taking_star_args_is_a_type_error():
+    class Positional(Callback):
+        def on_batch_end(self, *args):
+            pass
+
+    with pytest.raises(TypeError, match=r"Positional\.on_batch_end.*\*args"):
+        CallbackHandler([Positional()])
+
+
+def test_call_hook_drives_a_hook_as_the_handler_does():
+    class Stop(Callback):
+        def on_epoch_end(self, epoch, last_metrics):
+            return {"stop_training": epoch == 2 and last_metrics is None}
+
+    assert call_hook(Stop(), "on_epoch_end", epoch=2) == {"stop_training": True}
+    assert call_hook(Stop(), "on_epoch_end") == {"stop_training": False}
+    with pytest.raises(ValueError, match="lastmetrics"):
+        call_hook(Stop(), "on_epoch_end", lastmetrics=None)
+    with pytest.raises(ValueError, match="on_epochend"):
+        call_hook(Stop(), "on_epochend")

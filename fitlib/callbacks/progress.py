@@ -59,9 +59,7 @@ class ProgressBar(Callback):
         self._mb_open = False
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(
-        self, n_epochs: int, epoch: int, metrics: Any = None, **kwargs: Any
-    ) -> None:
+    def on_train_begin(self, n_epochs: int, epoch: int, metrics: Any) -> None:
         """Runs before training: opens the master bar, writes the header."""
         self.rows, self.pb, self._phase = [], None, None
         self._names = list(getattr(metrics, "names", []))
@@ -76,33 +74,39 @@ class ProgressBar(Callback):
         self._last_draw, self._comment = -math.inf, ""
         self._write(["epoch", "train_loss", "valid_loss", *self._names, "time"])
 
-    def on_epoch_begin(self, **kwargs: Any) -> None:
+    def on_epoch_begin(self) -> None:
         """Runs at the start of each epoch: starts its clock and loss sums."""
         self._t0 = time.perf_counter()
         self._losses: list[torch.Tensor] = []
         self._sizes: list[int] = []
         self._smooth: torch.Tensor | None = None
 
-    # One dict rather than named parameters: see Recorder.on_batch_end.
-    def on_batch_end(self, **state: Any) -> None:
+    def on_batch_end(
+        self,
+        train: bool,
+        data: Any,
+        last_loss: torch.Tensor,
+        smooth_loss: torch.Tensor | None,
+        last_target: Any,
+        last_input: Any,
+    ) -> None:
         """Runs after each batch: keeps the loss, redraws when time is up."""
-        train = state["train"]
         if train is not self._phase:
             # Opened here rather than in on_batch_begin: each hook a callback
             # overrides costs a call per batch.
-            self._open_bar(train, state["data"])
+            self._open_bar(train, data)
         self._n += 1
         if train:
             # Summed at epoch end: a list append costs less than a device op.
-            self._losses.append(state["last_loss"])  # detached by the loop
-            self._sizes.append(batch_size(state["last_target"], state["last_input"]))
-            self._smooth = state["smooth_loss"]
+            self._losses.append(last_loss)  # detached by the loop
+            self._sizes.append(batch_size(last_target, last_input))
+            self._smooth = smooth_loss
         now = time.perf_counter()
         if now - self._last_draw >= self.refresh:
             self._draw(now)
 
     def on_epoch_end(
-        self, epoch: int, n_epochs: int, last_metrics: list | None, **kwargs: Any
+        self, epoch: int, n_epochs: int, last_metrics: list | None
     ) -> None:
         """Runs after validation: closes the child bar, writes the epoch's row."""
         self._close_bar()
@@ -110,7 +114,7 @@ class ProgressBar(Callback):
         self.mb.update(epoch + 1)
         self._mb_open = epoch + 1 < n_epochs
 
-    def on_train_end(self, exception: BaseException | None, **kwargs: Any) -> None:
+    def on_train_end(self, exception: BaseException | None) -> None:
         """Runs at the end, also after an error: closes whatever bar is open."""
         if exception is None:
             self._close_bar()

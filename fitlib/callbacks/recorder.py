@@ -1,8 +1,8 @@
 """``Recorder``: the history of training runs, for plots and tables.
 
 Per training step it keeps the learning rate and momentum (python numbers
-already), the raw and smoothed loss and the batch size. The losses stay
-detached device tensors until they are read: recording a step never forces a
+already), the loss and the batch size. The losses stay detached device tensors
+until they are read, and are smoothed then: recording a step never forces a
 host-device sync. Per epoch it keeps the train loss (the exact sample-weighted
 mean of the epoch's raw losses), the validation loss, the metrics and the wall
 time; the epoch's values reach Python in one transfer at the end of the epoch.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fitlib.callback import Callback
+from fitlib.callback import Callback, LossSmoother
 from fitlib.core import batch_size, to_floats, weighted_mean
 from fitlib.optim import momentum
 
@@ -31,6 +31,14 @@ _EPOCH_KEYS = (
     "epoch_metric_names",
     "times",
 )
+# The attributes behind the per-step properties.
+_ATTRS = {
+    "lrs": "_lrs",
+    "moms": "_moms",
+    "losses": "_losses",
+    "smooth_losses": "_smooth",
+    "batch_sizes": "_batch_sizes",
+}
 # Per-epoch keys whose items are lists: copied one level deeper.
 _NESTED_KEYS = ("metrics", "epoch_metric_names")
 _NOT_FIT = "nothing to plot yet: call fit first, with this Recorder in the callbacks"
@@ -69,15 +77,15 @@ class Recorder(Callback):
 
     def reset(self) -> None:
         """Forgets the whole history."""
-        self.lrs: list[float] = []
-        self.moms: list[float | None] = []
-        self.iterations: list[int] = []
-        self.batch_sizes: list[int] = []
+        self._lrs: list[float] = []
+        self._moms: list[float | None] = []
+        self._batch_sizes: list[int] = []
         self._losses: list[float] = []
         self._smooth: list[float] = []
-        # Device tensors of the steps not yet read (see _flush).
-        self._pending: list[torch.Tensor] = []
-        self._pending_smooth: list[torch.Tensor] = []
+        # The steps not yet read: ((lr, mom), loss, batch size), the losses as
+        # device tensors (see _flush).
+        self._pending: list[tuple] = []
+        self._smoother = LossSmoother()
         self.epochs: list[int] = []
         self.epoch_iterations: list[int] = []
         self.train_losses: list[float] = []
@@ -88,6 +96,31 @@ class Recorder(Callback):
         self.metric_names: list[str] = []
         self._epoch_first, self._t0 = 0, time.perf_counter()
 
+    # Reading a per-step list moves the pending steps' losses to Python first:
+    # one host-device sync, so read them between epochs, not per batch.
+    @property
+    def lrs(self) -> list[float]:
+        """The learning rate of every step (of the last parameter group)."""
+        self._flush()
+        return self._lrs
+
+    @property
+    def moms(self) -> list[float | None]:
+        """The momentum of every step; None where the optimizer has none."""
+        self._flush()
+        return self._moms
+
+    @property
+    def iterations(self) -> list[int]:
+        """The iteration number of every step: 0, 1, 2... across fits."""
+        return list(range(self._n_steps))
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The number of samples of every step."""
+        self._flush()
+        return self._batch_sizes
+
     @property
     def losses(self) -> list[float]:
         """The raw training loss of every step."""
@@ -96,36 +129,44 @@ class Recorder(Callback):
 
     @property
     def smooth_losses(self) -> list[float]:
-        """The smoothed training loss (``state['smooth_loss']``) of every step."""
+        """The smoothed training loss of every step.
+
+        The same debiased moving average as ``state['smooth_loss']``, which
+        restarts with each fit, computed in float64 from the raw losses when
+        they are read: recording it costs no device op per step.
+        """
         self._flush()
         return self._smooth
 
+    @property
+    def _n_steps(self) -> int:
+        return len(self._lrs) + len(self._pending)
+
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, metrics: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(self, metrics: Any) -> None:
         """Runs before training: takes the metric names of this fit."""
         self._flush()  # an interrupted fit's steps, before the device may change
+        self._smoother = LossSmoother()  # each fit starts its own, as the loop does
         self.metric_names = list(getattr(metrics, "names", []))
 
-    def on_epoch_begin(self, **kwargs: Any) -> None:
+    def on_epoch_begin(self) -> None:
         """Runs at the start of each epoch: starts its clock."""
-        self._epoch_first, self._t0 = len(self.iterations), time.perf_counter()
+        self._epoch_first, self._t0 = self._n_steps, time.perf_counter()
 
-    # The per-batch hook takes the state as one dict: each named parameter
-    # would make Python compare its name with every other state key, per call.
-    def on_batch_end(self, **state: Any) -> None:
+    def on_batch_end(
+        self,
+        train: bool,
+        opt: Any,
+        last_loss: torch.Tensor,
+        last_target: Any,
+        last_input: Any,
+    ) -> None:
         """Runs after each batch: records a training step (no sync)."""
-        if not state["train"]:
-            return
-        lr, mom = _hypers(state["opt"])
-        self.lrs.append(lr)
-        self.moms.append(mom)
-        self.iterations.append(len(self.iterations))
-        self.batch_sizes.append(batch_size(state["last_target"], state["last_input"]))
-        loss, smooth = state["last_loss"], state["smooth_loss"]
-        self._pending.append(loss)  # detached by the loop
-        self._pending_smooth.append(loss if smooth is None else smooth)
+        if train:  # one append: this runs every batch
+            size = batch_size(last_target, last_input)
+            self._pending.append((_hypers(opt), last_loss, size))
 
-    def on_epoch_end(self, last_metrics: list | None, **kwargs: Any) -> None:
+    def on_epoch_end(self, last_metrics: list | None) -> None:
         """Runs after validation: records the epoch, with one host transfer."""
         # Not None, last_metrics starts with the valid loss: values is never empty.
         values = self._flush(last_metrics or [])
@@ -133,9 +174,9 @@ class Recorder(Callback):
             values = [math.nan] * (1 + len(self.metric_names))
         first = self._epoch_first
         self.epochs.append(len(self.epochs))
-        self.epoch_iterations.append(len(self.iterations) - 1)
+        self.epoch_iterations.append(self._n_steps - 1)
         self.train_losses.append(
-            weighted_mean(self._losses[first:], self.batch_sizes[first:])
+            weighted_mean(self._losses[first:], self._batch_sizes[first:])
         )
         self.valid_losses.append(values[0])
         self.metrics.append(values[1:])
@@ -144,16 +185,20 @@ class Recorder(Callback):
         self.times.append(time.perf_counter() - self._t0)
 
     def _flush(self, extra: Iterable = ()) -> list[float]:
-        """Moves the pending step losses to Python with ``extra`` (one sync).
+        """Moves the pending steps to the lists, with ``extra`` (one sync).
 
         Returns ``extra`` as floats.
         """
-        n = len(self._pending)
-        values = to_floats([*self._pending, *self._pending_smooth], extra)
-        self._losses += values[:n]
-        self._smooth += values[n : 2 * n]
-        self._pending, self._pending_smooth = [], []
-        return values[2 * n :]
+        steps, self._pending = self._pending, []
+        values = to_floats([loss for _, loss, _ in steps], extra)
+        for (lr, mom), _, size in steps:
+            self._lrs.append(lr)
+            self._moms.append(mom)
+            self._batch_sizes.append(size)
+        losses, n = values[: len(steps)], len(steps)
+        self._losses += losses
+        self._smooth += self._smoother(losses)
+        return values[n:]
 
     # -- saving ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -181,8 +226,8 @@ class Recorder(Callback):
                 )
         self.reset()
         for key in _STEP_KEYS + _EPOCH_KEYS:  # copies: later fits append to them
-            attr = {"losses": "_losses", "smooth_losses": "_smooth"}.get(key, key)
-            setattr(self, attr, list(state[key]))
+            if key != "iterations":  # always 0, 1, 2...: derived from the count
+                setattr(self, _ATTRS.get(key, key), list(state[key]))
         for key in _NESTED_KEYS:
             setattr(self, key, [list(v) for v in state[key]])
         self.metric_names = list(state["metric_names"])

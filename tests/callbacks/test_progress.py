@@ -9,20 +9,12 @@ from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, DataBunch, HPOptimizer, fit
-from fitlib.callback import STATE_KEYS
+from fitlib.callback import call_hook
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy
 
 CONSOLE_BAR = fastprogress.ConsoleProgressBar
-
-
-def state(**updates):
-    """The keyword arguments a hook gets from the handler."""
-    s = dict.fromkeys(STATE_KEYS)
-    s.update(epoch=0, iteration=0, num_batch=0, train=False)
-    s.update(updates)
-    return s
 
 
 def train(callbacks, epochs=2, data=None, metrics=(accuracy,)):
@@ -102,19 +94,19 @@ def test_refresh_of_the_comment_is_paced_by_the_clock(
     )
     data = SimpleNamespace(train_dl=range(60), valid_dl=None)
     bar = ProgressBar(refresh=0.25, bars=True)
-    bar.on_train_begin(**state(n_epochs=1, metrics=Metrics([]), data=data))
-    bar.on_epoch_begin(**state())
+    call_hook(bar, "on_train_begin", n_epochs=1, metrics=Metrics([]), data=data)
+    call_hook(bar, "on_epoch_begin")
 
     def batch(loss):
         t = torch.tensor(loss)
-        bar.on_batch_end(
-            **state(
-                train=True,
-                data=data,
-                last_loss=t,
-                smooth_loss=t,
-                last_target=torch.zeros(4),
-            )
+        call_hook(
+            bar,
+            "on_batch_end",
+            train=True,
+            data=data,
+            last_loss=t,
+            smooth_loss=t,
+            last_target=torch.zeros(4),
         )
 
     batch(1.5)  # the first batch is drawn at once
@@ -138,18 +130,20 @@ def test_refresh_of_the_comment_is_paced_by_the_clock(
 def test_a_resumed_run_starts_the_master_bar_at_its_epoch():
     data = SimpleNamespace(train_dl=range(3), valid_dl=None)
     bar = ProgressBar(bars=True)
-    bar.on_train_begin(**state(n_epochs=5, epoch=2, metrics=Metrics([]), data=data))
-    bar.on_epoch_begin(**state(epoch=2))
+    call_hook(
+        bar, "on_train_begin", n_epochs=5, epoch=2, metrics=Metrics([]), data=data
+    )
+    call_hook(bar, "on_epoch_begin", epoch=2)
     t = torch.tensor(1.0)
-    bar.on_batch_end(
-        **state(
-            train=True,
-            epoch=2,
-            data=data,
-            last_loss=t,
-            smooth_loss=t,
-            last_target=torch.zeros(2),
-        )
+    call_hook(
+        bar,
+        "on_batch_end",
+        train=True,
+        epoch=2,
+        data=data,
+        last_loss=t,
+        smooth_loss=t,
+        last_target=torch.zeros(2),
     )
     assert bar.pb.prefix.startswith("Epoch 3/5")
 

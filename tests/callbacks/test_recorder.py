@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, DataBunch, HPOptimizer, fit
-from fitlib.callback import STATE_KEYS
+from fitlib.callback import call_hook
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy, error_rate
 
@@ -21,35 +21,33 @@ class FakeOpt:
         self.param_groups = list(groups)
 
 
-def state(**updates):
-    """The keyword arguments a hook gets from the handler."""
-    s = dict.fromkeys(STATE_KEYS)
-    s.update(epoch=0, iteration=0, num_batch=0, train=False)
-    s.update(updates)
-    return s
+def record_step(rec, loss, bs, opt):
+    """Calls on_batch_end for a training batch as the handler would."""
+    call_hook(
+        rec,
+        "on_batch_end",
+        train=True,
+        opt=opt,
+        last_loss=torch.tensor(loss),
+        last_target=torch.zeros(bs),
+        last_input=torch.zeros(bs, 3),
+    )
 
 
 def drive_epoch(rec, losses, sizes, last_metrics, opt=None, valid_batches=2):
     """Calls the hooks of one epoch the way the handler would."""
     opt = opt or FakeOpt({"lr": 0.1, "momentum": 0.9})
-    rec.on_epoch_begin(**state())
+    call_hook(rec, "on_epoch_begin")
     for loss, bs in zip(losses, sizes, strict=True):
-        t = torch.tensor(loss)
-        rec.on_batch_end(
-            **state(
-                train=True,
-                opt=opt,
-                last_loss=t,
-                smooth_loss=t * 0.5,
-                last_target=torch.zeros(bs),
-                last_input=torch.zeros(bs, 3),
-            )
-        )
+        record_step(rec, loss, bs, opt)
     for _ in range(valid_batches):  # validation batches must not be recorded
-        rec.on_batch_end(
-            **state(last_loss=torch.tensor(99.0), last_target=torch.zeros(5))
+        call_hook(
+            rec,
+            "on_batch_end",
+            last_loss=torch.tensor(99.0),
+            last_target=torch.zeros(5),
         )
-    rec.on_epoch_end(**state(last_metrics=last_metrics))
+    call_hook(rec, "on_epoch_end", last_metrics=last_metrics)
 
 
 def train(callbacks, epochs=2, data=None, metrics=(accuracy,), lr=0.1, mom=0.9):
@@ -77,17 +75,39 @@ def close_figures():
     plt.close("all")
 
 
+def test_smooth_losses_are_the_loops_smooth_loss():
+    class Watch(Callback):
+        def __init__(self):
+            self.smooth = []
+
+        def on_batch_end(self, train, smooth_loss):
+            if train:
+                self.smooth.append(float(smooth_loss))
+
+    rec, watch = Recorder(), Watch()
+    train([rec, watch], epochs=2)
+    train([rec, watch], epochs=1)  # a new fit starts a new average, as the loop
+    assert rec.smooth_losses == pytest.approx(watch.smooth, rel=1e-6)
+    assert rec.smooth_losses[0] == rec.losses[0] != rec.smooth_losses[1]
+
+
 # -- scripted hooks --------------------------------------------------------------
 def test_epoch_train_loss_is_sample_weighted_with_a_ragged_last_batch():
     rec = Recorder()
-    rec.on_train_begin(**state(metrics=Metrics([accuracy])))
+    call_hook(rec, "on_train_begin", metrics=Metrics([accuracy]))
     drive_epoch(
         rec, [1.0, 2.0, 6.0], [4, 4, 2], [torch.tensor(0.5), torch.tensor(0.75)]
     )
     # (4*1 + 4*2 + 2*6) / 10 = 2.4, where the mean of batch means says 3.0.
     assert rec.train_losses == [pytest.approx(2.4)]
     assert rec.losses == [1.0, 2.0, 6.0]
-    assert rec.smooth_losses == [0.5, 1.0, 3.0]
+    # The debiased average, as a weighted sum: sum 0.98**(n-i) 0.02 l_i / (1-0.98**n)
+    smooth = [
+        sum(0.98 ** (n - i) * 0.02 * v for i, v in enumerate([1.0, 2.0, 6.0][:n], 1))
+        / (1 - 0.98**n)
+        for n in (1, 2, 3)
+    ]
+    assert rec.smooth_losses == pytest.approx(smooth, rel=1e-12)
     assert rec.batch_sizes == [4, 4, 2]
     assert rec.valid_losses == [0.5]
     assert rec.metrics == [[0.75]]
@@ -98,7 +118,7 @@ def test_epoch_train_loss_is_sample_weighted_with_a_ragged_last_batch():
 
 def test_values_are_python_floats_after_an_epoch():
     rec = Recorder()
-    rec.on_train_begin(**state(metrics=Metrics([accuracy])))
+    call_hook(rec, "on_train_begin", metrics=Metrics([accuracy]))
     drive_epoch(rec, [1.0, 2.0], [3, 3], [torch.tensor(0.5), torch.tensor(0.25)])
     for values in (
         rec.losses,
@@ -125,7 +145,7 @@ def test_records_lr_and_momentum_of_the_last_param_group():
 
 def test_skipped_validation_records_nan_for_valid_loss_and_metrics():
     rec = Recorder()
-    rec.on_train_begin(**state(metrics=Metrics([accuracy, accuracy])))
+    call_hook(rec, "on_train_begin", metrics=Metrics([accuracy, accuracy]))
     drive_epoch(rec, [1.0], [2], None)
     assert math.isnan(rec.valid_losses[0])
     assert len(rec.metrics[0]) == 2 and all(math.isnan(m) for m in rec.metrics[0])
@@ -134,26 +154,17 @@ def test_skipped_validation_records_nan_for_valid_loss_and_metrics():
 def test_reading_losses_mid_epoch_keeps_the_epoch_mean_exact():
     rec = Recorder()
     opt = FakeOpt({"lr": 0.1})
-    rec.on_epoch_begin(**state())
+    call_hook(rec, "on_epoch_begin")
     for i, (loss, bs) in enumerate([(1.0, 4), (2.0, 4), (6.0, 2)]):
-        t = torch.tensor(loss)
-        rec.on_batch_end(
-            **state(
-                train=True,
-                opt=opt,
-                last_loss=t,
-                smooth_loss=t,
-                last_target=torch.zeros(bs),
-            )
-        )
+        record_step(rec, loss, bs, opt)
         assert len(rec.losses) == i + 1  # a read moves the pending steps
-    rec.on_epoch_end(**state(last_metrics=[torch.tensor(1.0)]))
+    call_hook(rec, "on_epoch_end", last_metrics=[torch.tensor(1.0)])
     assert rec.train_losses == [pytest.approx(2.4)]
 
 
 def test_epoch_table_has_one_row_per_epoch_with_metric_columns():
     rec = Recorder()
-    rec.on_train_begin(**state(metrics=Metrics([accuracy])))
+    call_hook(rec, "on_train_begin", metrics=Metrics([accuracy]))
     drive_epoch(rec, [1.0], [2], [torch.tensor(0.5), torch.tensor(0.75)])
     drive_epoch(rec, [2.0], [2], [torch.tensor(0.25), torch.tensor(1.0)])
     table = rec.epoch_table()
@@ -306,9 +317,9 @@ def test_plots_leave_no_open_pyplot_figure():
 # -- fits with different metrics -------------------------------------------------
 def test_epoch_table_and_plot_keep_each_epochs_own_metric_names():
     rec = Recorder()
-    rec.on_train_begin(**state(metrics=Metrics([accuracy])))
+    call_hook(rec, "on_train_begin", metrics=Metrics([accuracy]))
     drive_epoch(rec, [1.0], [2], [torch.tensor(0.5), torch.tensor(0.75)])
-    rec.on_train_begin(**state(metrics=Metrics([error_rate, accuracy])))
+    call_hook(rec, "on_train_begin", metrics=Metrics([error_rate, accuracy]))
     drive_epoch(rec, [1.0], [2], [torch.tensor(0.25), 0.125, torch.tensor(0.875)])
     first, second = ({k: r[k] for k in r if k != "time"} for r in rec.epoch_table())
     assert first == {"epoch": 0, "train_loss": 1.0, "valid_loss": 0.5, "accuracy": 0.75}
