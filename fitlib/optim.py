@@ -113,8 +113,7 @@ class HPOptimizer:
         this step uses: a scheduler may set the next values before anyone reads
         them (the Recorder reads ``stepped`` at the end of the batch).
         """
-        group = self.opt.param_groups[-1]
-        self.stepped = (group["lr"], momentum(group))
+        self.stepped = lr_and_momentum(self.opt.param_groups[-1])
         if self.true_wd and not self._native_wd:
             self._decay()
         return self.opt.step(closure)
@@ -259,10 +258,10 @@ class HPOptimizer:
                         p.mul_(factor)
 
 
-def momentum(group: dict) -> Any:
-    """A parameter group's momentum (Adam's beta1), or None if it has none."""
+def lr_and_momentum(group: dict) -> tuple[Any, Any]:
+    """A parameter group's lr and momentum (Adam's beta1; None if it has none)."""
     betas = group.get("betas")
-    return group.get("momentum") if betas is None else betas[0]
+    return group["lr"], group.get("momentum") if betas is None else betas[0]
 
 
 def _read(group: dict, key: str, index: int | None) -> float:

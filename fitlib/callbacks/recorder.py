@@ -19,7 +19,7 @@ import torch
 
 from fitlib.callback import Callback, LossSmoother
 from fitlib.core import batch_size, to_floats, weighted_mean
-from fitlib.optim import momentum
+from fitlib.optim import lr_and_momentum
 
 _STEP_KEYS = ("lrs", "moms", "losses", "smooth_losses", "iterations", "batch_sizes")
 _EPOCH_KEYS = (
@@ -333,15 +333,11 @@ def _hypers(opt: Any) -> tuple[float, float | None]:
     """The (lr, momentum) of the last parameter group's latest step."""
     # An HPOptimizer notes them in step(): a scheduler may already have set
     # the next ones. Anything else is read as it is now.
-    lr, mom = getattr(opt, "stepped", None) or _current(opt.param_groups[-1])
+    lr, mom = getattr(opt, "stepped", None) or lr_and_momentum(opt.param_groups[-1])
     return (
         lr if type(lr) is float else float(lr),
         mom if mom is None or type(mom) is float else float(mom),
     )
-
-
-def _current(group: dict) -> tuple[Any, Any]:
-    return group["lr"], momentum(group)
 
 
 def _figure() -> Any:
