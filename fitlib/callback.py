@@ -16,6 +16,11 @@ data                the data object (``train_dl``, ``valid_dl``)
 loss_func           the loss function, called as ``loss_func(out, *targets)``
 metrics             the ``fitlib.metrics.Metrics`` of the run (``.names``)
 n_epochs            the number of epochs ``fit`` was asked for
+n_steps             the number of optimizer steps the fit will take, when
+                    known: ``n_epochs * len(train_dl)``, or None for a loader
+                    without a length; callbacks that change it (gradient
+                    accumulation) update it in ``on_train_begin``, so
+                    schedulers (higher ``order``) read the true count
 epoch               the current epoch, 0-based
 iteration           training batches finished since ``fit`` began (so, inside a
                     batch's hooks, the 0-based index of that batch)
@@ -85,6 +90,7 @@ STATE_KEYS = (
     "loss_func",
     "metrics",
     "n_epochs",
+    "n_steps",
     "epoch",
     "iteration",
     "num_batch",
@@ -319,6 +325,11 @@ class CallbackHandler:
     # callback overrides: this is the hot path, run six times per batch.
     def on_train_begin(self, n_epochs: int, **state: Any) -> None:
         self.state.update(state, n_epochs=n_epochs, stop_training=False)
+        try:
+            n_steps = n_epochs * len(self.state["data"].train_dl)
+        except (AttributeError, TypeError):  # no data, or a loader without len
+            n_steps = None
+        self.state["n_steps"] = n_steps
         self("on_train_begin")
 
     def on_epoch_begin(self) -> None:

@@ -94,6 +94,8 @@ class HPOptimizer:
     def _adopt(self, opt: torch.optim.Optimizer, true_wd: bool) -> None:
         self.opt, self.true_wd = opt, true_wd
         self.stepped: tuple[Any, Any] | None = None
+        # Set by MixedPrecision(float16): step() then goes through the scaler.
+        self.grad_scaler: torch.amp.GradScaler | None = None
         # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
         self._native_wd = "decoupled_weight_decay" in opt.param_groups[0]
 
@@ -112,11 +114,33 @@ class HPOptimizer:
         Notes in ``stepped`` the ``(lr, mom)`` of the last parameter group that
         this step uses: a scheduler may set the next values before anyone reads
         them (the Recorder reads ``stepped`` at the end of the batch).
+
+        With a ``grad_scaler`` (set by ``MixedPrecision(torch.float16)``) the
+        step goes through ``grad_scaler.step``, which skips it when the
+        gradients are not finite.
         """
         self.stepped = lr_and_momentum(self.opt.param_groups[-1])
+        if self.grad_scaler is not None:
+            return self._scaled_step(closure)
         if self.true_wd and not self._native_wd:
             self._decay()
         return self.opt.step(closure)
+
+    def _scaled_step(self, closure: Callable[[], Any] | None) -> Any:
+        if closure is not None:
+            raise ValueError(
+                "HPOptimizer.step: a closure cannot be used with a GradScaler "
+                "(MixedPrecision(torch.float16)). Fix: step without a closure, "
+                "or train in bfloat16 (no scaler)."
+            )
+        scaler = self.grad_scaler
+        if self.true_wd and not self._native_wd:
+            if not scaler._per_optimizer_states[id(self.opt)]["found_inf_per_device"]:
+                scaler.unscale_(self.opt)  # unless MixedPrecision already did
+            # The scaler skips a step with non-finite gradients: so does the
+            # decay, masked on the device (no sync).
+            self._decay(keep=1 - found_inf(scaler, self.opt))
+        return scaler.step(self.opt)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none=set_to_none)
@@ -156,9 +180,9 @@ class HPOptimizer:
 
         The one write path: the properties and schedulers all come here.
         """
-        if name == "lr":
-            _check_positive("lr", value)
         values = self._per_group(name, value)
+        if name == "lr":  # 0 is allowed here: a schedule may anneal to it
+            _check_positive("lr", values, allow_zero=True)
         if name == "wd" and self.true_wd:
             self._set_true_wd(values)
             return
@@ -249,10 +273,12 @@ class HPOptimizer:
         return values
 
     @torch.no_grad()
-    def _decay(self) -> None:
+    def _decay(self, keep: Any = 1) -> None:
+        """``p *= 1 - lr * wd``; ``keep`` (a 0/1 device tensor) may cancel it."""
         for group in self.param_groups:
-            factor = 1.0 - group["lr"] * group.get(_TRUE_WD_KEY, 0.0)
-            if factor != 1.0:
+            decay = group["lr"] * group.get(_TRUE_WD_KEY, 0.0)
+            if decay:
+                factor = 1.0 - decay * keep
                 for p in group["params"]:
                     if p.grad is not None:
                         p.mul_(factor)
@@ -262,6 +288,18 @@ def lr_and_momentum(group: dict) -> tuple[Any, Any]:
     """A parameter group's lr and momentum (Adam's beta1; None if it has none)."""
     betas = group.get("betas")
     return group["lr"], group.get("momentum") if betas is None else betas[0]
+
+
+def found_inf(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> Any:
+    """1 (a device tensor) when the scaler's ``unscale_(opt)`` found a gradient
+    that is not finite in this step, else 0 (also when nothing was checked)."""
+    # GradScaler keeps this per optimizer and device until update(); no public
+    # accessor exists, and reading it here costs no sync.
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+    if not found:
+        return 0
+    first = next(iter(found))
+    return (sum(f.to(first.device) for f in found) > 0).int()
 
 
 def _read(group: dict, key: str, index: int | None) -> float:
@@ -282,10 +320,43 @@ def _collapse(values: list[float]) -> float | list[float]:
     return values[0] if all(v == values[0] for v in values) else values
 
 
-def _check_positive(name: str, value: HyperParam) -> None:
-    values = [value] if isinstance(value, (int, float)) else list(value)
-    if not values or any(not isinstance(v, (int, float)) or v <= 0 for v in values):
+def lr_per_group(lr: float | slice | Sequence[float], n: int) -> list[float]:
+    """One learning rate per parameter group from a float, slice or sequence.
+
+    ``slice(lo, hi)`` spreads rates geometrically from the first group to the
+    last; ``slice(hi)`` gives the last group ``hi`` and the others ``hi / 10``.
+
+    Example:
+        >>> lr_per_group(slice(1e-4, 1e-2), 3)
+        [0.0001, 0.001, 0.01]
+    """
+    if not isinstance(lr, slice):
+        _check_positive("lr", lr)
+        return [float(lr)] * n if isinstance(lr, (int, float)) else list(lr)
+    if lr.stop is None or lr.stop <= 0 or (lr.start is not None and lr.start <= 0):
         raise ValueError(
-            f"{name} must be a positive number (or one per parameter group); got "
+            f"lr: got {lr!r}; a slice needs a positive stop, and a positive "
+            "start if any. Fix: lr=slice(1e-5, 1e-3)."
+        )
+    if lr.start is None:
+        return [lr.stop / 10] * (n - 1) + [lr.stop]
+    if n == 1:
+        return [lr.stop]
+    ratio = (lr.stop / lr.start) ** (1 / (n - 1))
+    return [lr.start * ratio**i for i in range(n)]
+
+
+def _check_positive(name: str, value: HyperParam, allow_zero: bool = False) -> None:
+    values = [value] if isinstance(value, (int, float)) else list(value)
+    if not values or any(
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not (v >= 0 if allow_zero else v > 0)
+        or v == float("inf")
+        for v in values
+    ):
+        what = "a number >= 0" if allow_zero else "a positive number"
+        raise ValueError(
+            f"{name} must be {what} (or one per parameter group); got "
             f"{value!r}. Fix: pass e.g. {name}=1e-3."
         )

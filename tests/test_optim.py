@@ -152,8 +152,10 @@ def test_set_is_the_one_write_path_for_checks_and_decoupled_decay():
     opt.set("wd", 0.5)
     group = opt.param_groups[0]
     assert group["weight_decay"] == 0.5 and group["decoupled_weight_decay"]
-    with pytest.raises(ValueError, match="lr must be a positive number"):
-        opt.set("lr", 0)
+    with pytest.raises(ValueError, match="lr must be a number >= 0"):
+        opt.set("lr", -1e-3)
+    opt.set("lr", 0)  # a schedule may anneal to 0: allowed after construction
+    assert opt.lr == 0.0
 
 
 def test_zero_weight_decay_is_accepted_by_optimizers_without_weight_decay():
