@@ -1,0 +1,124 @@
+"""``OneCycleScheduler``: the 1cycle policy for the learning rate and momentum.
+
+The learning rate warms up from ``max_lr / div_factor`` to ``max_lr`` along a
+cosine over ``pct_start`` of the optimizer steps, then anneals along a cosine
+to ``max_lr / final_div``; momentum (Adam's beta1) moves the opposite way,
+from ``moms[0]`` to ``moms[1]`` and back. Step by step the values equal those
+of ``torch.optim.lr_scheduler.OneCycleLR`` given ``div_factor``,
+``final_div_factor=final_div / div_factor`` and ``max_momentum, base_momentum
+= moms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fitlib.callbacks.schedule import ParamScheduler, _is_number, cosine
+from fitlib.optim import lr_per_group
+
+MaxLR = float | slice | Sequence[float]
+
+
+class OneCycleScheduler(ParamScheduler):
+    """Trains with one cycle of learning rate and momentum (Smith, 2018).
+
+    Args:
+        max_lr: the peak learning rate: a float, one per parameter group, or a
+            slice spread over the groups (``slice(lo, hi)`` geometrically,
+            ``slice(hi)``: ``hi / 10`` for all groups but the last).
+        div_factor: the learning rate starts at ``max_lr / div_factor``.
+        pct_start: the fraction of steps spent warming up, in (0, 1).
+        final_div: the learning rate ends at ``max_lr / final_div``; None is
+            ``div_factor * 1e4``.
+        moms: the momentum (or beta1) at the start (and end) and at the peak
+            of the learning rate; None leaves momentum alone.
+        total_steps: as for ``ParamScheduler``; None uses the fit's length.
+
+    Example:
+        >>> fit(5, model, F.cross_entropy, opt, data,
+        ...     callbacks=[OneCycleScheduler(max_lr=1e-2)])
+    """
+
+    def __init__(
+        self,
+        max_lr: MaxLR,
+        div_factor: float = 25.0,
+        pct_start: float = 0.3,
+        final_div: float | None = None,
+        moms: tuple[float, float] | None = (0.95, 0.85),
+        total_steps: int | None = None,
+    ) -> None:
+        _check_max_lr(max_lr)
+        _check_number("div_factor", div_factor, "25.0", low=0.0)
+        if not (_is_number(pct_start) and 0 < pct_start < 1):
+            raise ValueError(
+                f"pct_start must be a fraction of training in (0, 1); got "
+                f"{pct_start!r}. Fix: e.g. pct_start=0.3 (30% of steps warming up)."
+            )
+        final_div = div_factor * 1e4 if final_div is None else final_div
+        _check_number("final_div", final_div, "div_factor * 1e4", low=0.0)
+        if moms is not None and not (
+            len(moms) == 2 and all(_is_number(m) and 0 <= m < 1 for m in moms)
+        ):
+            raise ValueError(
+                f"moms must be two momentums in [0, 1), or None; got {moms!r}. "
+                "Fix: e.g. moms=(0.95, 0.85)."
+            )
+        self.max_lr, self.div_factor, self.pct_start = max_lr, div_factor, pct_start
+        self.final_div, self.moms = final_div, moms
+        # The lr schedule needs the number of parameter groups: built later.
+        super().__init__({"lr": _placeholder}, total_steps)
+
+    def on_train_begin(self, opt: Any, n_steps: int | None, epoch: int) -> None:
+        """Runs before training: builds the schedules for this optimizer."""
+        top = lr_per_group(self.max_lr, len(opt.param_groups))
+        low = [lr / self.div_factor for lr in top]
+        end = [lr / self.final_div for lr in top]
+        warm, cool = self.pct_start, 1 - self.pct_start
+        self.schedules = {"lr": [(warm, cosine(low, top)), (cool, cosine(top, end))]}
+        if self.moms is not None:
+            first, peak = self.moms
+            self.schedules["mom"] = [
+                (warm, cosine(first, peak)),
+                (cool, cosine(peak, first)),
+            ]
+        super().on_train_begin(opt, n_steps, epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}(max_lr={self.max_lr!r}, div_factor={self.div_factor}, "
+            f"pct_start={self.pct_start}, final_div={self.final_div}, "
+            f"moms={self.moms}, total_steps={self.total_steps})"
+        )
+
+
+def _placeholder(pct: float) -> float:
+    raise AssertionError("OneCycleScheduler builds its schedules at train begin")
+
+
+def _check_number(name: str, value: Any, example: str, low: float) -> None:
+    if not (_is_number(value) and value > low):
+        raise ValueError(
+            f"{name} must be a number > {low:g}; got {value!r}. Fix: e.g. "
+            f"{name}={example}."
+        )
+
+
+def _check_max_lr(max_lr: Any) -> None:
+    if isinstance(max_lr, slice):
+        parts = [p for p in (max_lr.start, max_lr.stop) if p is not None]
+        ok = max_lr.stop is not None and all(_is_number(p) and p > 0 for p in parts)
+    elif _is_number(max_lr):
+        ok = max_lr > 0
+    else:
+        try:
+            ok = len(max_lr) > 0 and all(_is_number(v) and v > 0 for v in max_lr)
+        except TypeError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"max_lr must be > 0: a float, one per parameter group, or a slice; "
+            f"got {max_lr!r}. Fix: e.g. max_lr=1e-2, or find one with "
+            "learn.lr_find()."
+        )

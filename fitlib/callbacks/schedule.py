@@ -1,0 +1,278 @@
+"""``ParamScheduler``: any hyper-parameter along a schedule, step by step.
+
+A schedule maps the fraction of a phase done (0 to 1) to a value. A
+hyper-parameter follows one schedule, or several phases one after another,
+each a fraction of the optimizer steps of training. The scheduler sets the
+value for the next step after every optimizer step, through ``HPOptimizer``,
+so it counts optimizer steps, not batches (gradient accumulation steps less
+often), and it reads the length of training from the state key ``n_steps``
+(or ``total_steps``).
+
+Phase ``k`` ends at step ``c_k * total - 1``, where ``c_k`` is the fraction of
+training done at its end: the first step takes a schedule's start value and
+the last step its end value, as ``torch.optim.lr_scheduler.OneCycleLR`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fitlib.callback import Callback
+
+Value = float | list[float]  # one value, or one per parameter group
+Schedule = Callable[[float], Value]
+Phases = Schedule | Sequence[tuple[float, Schedule]]
+HYPER_PARAMS = ("lr", "mom", "wd", "beta")
+
+
+class Anneal:
+    """A schedule from ``start`` to ``end`` along an annealing function.
+
+    ``start`` and ``end`` may be sequences (one value per parameter group);
+    the schedule then returns a list. Made by ``cosine``, ``linear``,
+    ``exponential`` and ``constant``.
+
+    Example:
+        >>> cosine(1e-3, 1e-5)(0.5)
+        0.000505
+    """
+
+    def __init__(
+        self, kind: str, fn: Callable, start: Value, end: Value | None = None
+    ) -> None:
+        self.kind, self.fn = kind, fn
+        self.start, self.end = start, start if end is None else end
+        self._many = not (_is_number(self.start) and _is_number(self.end))
+        if self._many:
+            self._pairs = _pairs(kind, self.start, self.end)
+
+    def __call__(self, pct: float) -> Value:
+        if self._many:
+            return [self.fn(s, e, pct) for s, e in self._pairs]
+        return self.fn(self.start, self.end, pct)
+
+    def __repr__(self) -> str:
+        if self.kind == "constant":
+            return f"constant({self.start!r})"
+        return f"{self.kind}({self.start!r}, {self.end!r})"
+
+
+def _cos(start: float, end: float, pct: float) -> float:
+    return end + (start - end) / 2 * (math.cos(math.pi * pct) + 1)
+
+
+def _lin(start: float, end: float, pct: float) -> float:
+    return start + (end - start) * pct
+
+
+def _exp(start: float, end: float, pct: float) -> float:
+    return start * (end / start) ** pct
+
+
+def _const(start: float, end: float, pct: float) -> float:
+    return start
+
+
+def cosine(start: Value, end: Value) -> Anneal:
+    """Half a cosine from ``start`` to ``end``: slow, fast, then slow."""
+    return Anneal("cosine", _cos, start, end)
+
+
+def linear(start: Value, end: Value) -> Anneal:
+    """A straight line from ``start`` to ``end``."""
+    return Anneal("linear", _lin, start, end)
+
+
+def exponential(start: Value, end: Value) -> Anneal:
+    """A geometric progression from ``start`` to ``end`` (both > 0)."""
+    values = [v for x in (start, end) for v in ([x] if _is_number(x) else x)]
+    if any(not v > 0 for v in values):
+        raise ValueError(
+            f"exponential({start!r}, {end!r}): the values must be > 0, since it "
+            "multiplies by a constant factor each step. Fix: use linear or "
+            "cosine to reach 0, or end at a small positive value."
+        )
+    return Anneal("exponential", _exp, start, end)
+
+
+def constant(value: Value) -> Anneal:
+    """The same value throughout."""
+    return Anneal("constant", _const, value)
+
+
+class ParamScheduler(Callback):
+    """Sets hyper-parameters (``lr``, ``mom``, ``wd``, ``beta``) every step.
+
+    Args:
+        schedules: for each hyper-parameter, a schedule (a function of the
+            fraction of training done, from 0 to 1, such as ``cosine(a, b)``
+            or your own ``lambda pct: ...``), or a list of phases
+            ``(fraction of training, schedule)`` whose fractions sum to 1.
+            A value may be a float or one value per parameter group.
+        total_steps: the number of optimizer steps the schedules span; None
+            uses the fit's ``n_steps`` (epochs times batches per epoch, divided
+            by gradient accumulation). Give it when training is bounded by
+            steps (a loader without a length, or a run stopped after a number
+            of steps); after the last step the final values stay.
+
+    Example:
+        >>> warmup_cos = [(0.1, linear(0.0, 1e-3)), (0.9, cosine(1e-3, 0.0))]
+        >>> sched = ParamScheduler({"lr": warmup_cos, "mom": constant(0.9)})
+        >>> fit(5, model, F.cross_entropy, opt, data, callbacks=[sched])
+    """
+
+    order = 10
+
+    def __init__(
+        self, schedules: Mapping[str, Phases], total_steps: int | None = None
+    ) -> None:
+        self.schedules = _check_schedules(schedules)
+        if total_steps is not None and (
+            isinstance(total_steps, bool)
+            or not isinstance(total_steps, int)
+            or total_steps < 1
+        ):
+            raise ValueError(
+                f"total_steps must be a positive int or None; got {total_steps!r}. "
+                "Fix: the number of optimizer steps the schedule spans, e.g. 1000."
+            )
+        self.total_steps = total_steps
+        self.step, self.total = 0, 0
+
+    def on_train_begin(self, opt: Any, n_steps: int | None, epoch: int) -> None:
+        """Runs before training: checks the optimizer, sets the first values."""
+        if epoch == 0:  # a resumed fit (epoch > 0) keeps its loaded position
+            self.step = 0
+        self.total = self.total_steps or n_steps
+        if self.total is None:
+            raise ValueError(
+                f"{self.name}: the length of training is unknown: train_dl has "
+                "no length, so the number of optimizer steps is unknown. Fix: "
+                f"pass total_steps, e.g. {self.name}(..., total_steps=1000)."
+            )
+        missing = [name for name in self.schedules if not opt.has(name)]
+        if missing:
+            raise ValueError(
+                f"{self.name} schedules {missing}, which "
+                f"{type(getattr(opt, 'opt', opt)).__name__} does not have. Fix: "
+                "drop those schedules (e.g. moms=None), or use an optimizer "
+                "that has them."
+            )
+        self._set(opt)
+
+    def on_step_end(self, opt: Any, skip_step: bool) -> None:
+        """Runs after each optimizer step: sets the values for the next one."""
+        if not skip_step:  # no step (accumulating gradients): same position
+            self.step += 1
+            self._set(opt)
+
+    def _set(self, opt: Any) -> None:
+        step = min(self.step, self.total - 1)
+        for name, phases in self.schedules.items():
+            opt.set(name, value_at(phases, step, self.total))
+
+    def state_dict(self) -> dict:
+        """The position in the schedule: optimizer steps done, of how many."""
+        return {"step": self.step, "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the position that ``state_dict`` returned."""
+        self.step, self.total = int(state["step"]), int(state["total"])
+
+    def __repr__(self) -> str:
+        return f"{self.name}({self.schedules!r}, total_steps={self.total_steps})"
+
+
+def value_at(phases: list[tuple[float, Schedule]], step: int, total: int) -> Value:
+    """The value of a list of phases at optimizer step ``step`` of ``total``.
+
+    Phase ``k`` runs from the end of phase ``k - 1`` (step 0 for the first) to
+    step ``c_k * total - 1``, ``c_k`` being the fraction done at its end.
+
+    Example:
+        >>> value_at([(0.5, linear(0.0, 1.0)), (0.5, linear(1.0, 0.0))], 4, 10)
+        1.0
+    """
+    start, done = 0.0, 0.0
+    for i, (fraction, schedule) in enumerate(phases):
+        done += fraction
+        end = done * total - 1
+        if step <= end or i == len(phases) - 1:
+            span = end - start
+            pct = (step - start) / span if span > 0 else 1.0
+            return schedule(min(max(pct, 0.0), 1.0))
+        start = end
+    raise AssertionError("unreachable: the last phase always answers")
+
+
+def _check_schedules(
+    schedules: Mapping[str, Phases],
+) -> dict[str, list[tuple[float, Schedule]]]:
+    if not isinstance(schedules, Mapping) or not schedules:
+        raise TypeError(
+            f"schedules must be a non-empty dict of hyper-parameter -> schedule; "
+            f"got {schedules!r}. Fix: e.g. {{'lr': cosine(1e-3, 1e-5)}}."
+        )
+    out = {}
+    for name, phases in schedules.items():
+        if name not in HYPER_PARAMS:
+            raise ValueError(
+                f"schedules: unknown hyper-parameter {name!r}; HPOptimizer knows "
+                f"{', '.join(map(repr, HYPER_PARAMS))}."
+            )
+        out[name] = _check_phases(name, [(1.0, phases)] if callable(phases) else phases)
+    return out
+
+
+def _check_phases(name: str, phases: Any) -> list[tuple[float, Schedule]]:
+    fix = (
+        f"Fix: e.g. {{'{name}': [(0.25, linear(1e-4, 1e-3)), "
+        f"(0.75, cosine(1e-3, 1e-5))]}}."
+    )
+    try:
+        phases = [(fraction, fn) for fraction, fn in phases]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"schedules[{name!r}] must be a schedule (a function of the fraction "
+            f"done) or a list of (fraction, schedule) phases; got {phases!r}. {fix}"
+        ) from None
+    for fraction, fn in phases:
+        if not _is_number(fraction) or not callable(fn):
+            raise TypeError(
+                f"schedules[{name!r}]: a phase is (fraction of training, schedule); "
+                f"got ({fraction!r}, {fn!r}). {fix}"
+            )
+        if fraction <= 0:
+            what = "negative" if fraction < 0 else "zero"
+            raise ValueError(
+                f"schedules[{name!r}]: a phase has {what} length {fraction!r}; "
+                f"each phase must cover a positive fraction of training. {fix}"
+            )
+    total = sum(f for f, _ in phases)
+    if not phases or not math.isclose(total, 1.0, abs_tol=1e-6):
+        raise ValueError(
+            f"schedules[{name!r}]: the phases cover {total:g} of training; they "
+            f"must cover all of it (fractions summing to 1). {fix}"
+        )
+    return phases
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _pairs(kind: str, start: Any, end: Any) -> list[tuple[float, float]]:
+    starts = [start] if _is_number(start) else list(start)
+    ends = [end] if _is_number(end) else list(end)
+    if len(starts) == 1:
+        starts = starts * len(ends)
+    if len(ends) == 1:
+        ends = ends * len(starts)
+    if len(starts) != len(ends):
+        raise ValueError(
+            f"{kind}: start has {len(starts)} values and end {len(ends)}; give "
+            "one value per parameter group to both, or a float."
+        )
+    return list(zip(starts, ends))
