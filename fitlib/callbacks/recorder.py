@@ -74,6 +74,9 @@ class Recorder(Callback):
 
     def __init__(self) -> None:
         self.reset()
+        # The latest LR finder sweep (lrs, losses, suggestions), for
+        # plot_lr_find; Learner.lr_find sets it. Not part of the history.
+        self.lr_find_result: dict | None = None
 
     def reset(self) -> None:
         """Forgets the whole history."""
@@ -324,6 +327,29 @@ class Recorder(Callback):
             ax.set(xlabel="epoch", ylabel=name)
         return fig
 
+    def plot_lr_find(self) -> Any:
+        """The smoothed loss against the learning rate of the last LR finder
+        sweep (log scale), with the suggested learning rates marked.
+
+        Returns the matplotlib Figure.
+        """
+        result = self.lr_find_result
+        if not result or not result["lrs"]:
+            raise ValueError(
+                "no LR finder sweep to plot. Fix: run learn.lr_find() first (with "
+                "fit and an LRFinder: recorder.lr_find_result = finder.result)."
+            )
+        ax = (fig := _figure()).subplots()
+        ax.plot(result["lrs"], result["losses"])
+        for (name, lr), marker in zip(
+            result["suggestions"].items(), "ov", strict=False
+        ):
+            loss = result["losses"][_nearest(result["lrs"], lr)]
+            ax.plot(lr, loss, marker, markersize=8, label=f"{name}: {lr:.2e}")
+        ax.set(xscale="log", xlabel="learning rate", ylabel="loss (smoothed)")
+        ax.legend()
+        return fig
+
     def _check_steps(self) -> None:
         if not self.iterations:
             raise ValueError(f"no training step was recorded; {_NOT_FIT}.")
@@ -338,6 +364,11 @@ def _hypers(opt: Any) -> tuple[float, float | None]:
         lr if type(lr) is float else float(lr),
         mom if mom is None or type(mom) is float else float(mom),
     )
+
+
+def _nearest(values: list[float], x: float) -> int:
+    """The index of the value nearest to ``x`` on a log scale."""
+    return min(range(len(values)), key=lambda i: abs(math.log(values[i] / x)))
 
 
 def _figure() -> Any:

@@ -1,0 +1,260 @@
+import copy
+import math
+import time
+
+import pytest
+import torch
+from helpers import clone_params, make_data, make_model
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from fitlib import Callback, HPOptimizer, Learner
+from fitlib.callback import call_hook
+from fitlib.callbacks import GradientAccumulation, LRFinder
+from fitlib.callbacks.lr_finder import suggest_lrs
+
+
+def learner(tmp_path, n_train=100, **kwargs):
+    return Learner(
+        make_data(n_train=n_train),
+        make_model(),
+        F.cross_entropy,
+        metrics=[],
+        path=tmp_path,
+        progress=False,
+        **kwargs,
+    )
+
+
+def sweep(finder, losses, skipped=()):
+    """Drives ``finder`` with scripted smoothed losses; returns the batch that
+    stopped training (or None) and the model and optimizer it ran on."""
+    model = nn.Linear(2, 1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    call_hook(finder, "on_train_begin", model=model, opt=opt)
+    stopped = None
+    for i, loss in enumerate(losses):
+        call_hook(finder, "on_step_end", skip_step=i in skipped)
+        update = call_hook(
+            finder, "on_batch_end", train=True, opt=opt, smooth_loss=torch.tensor(loss)
+        )
+        if update and update.get("stop_training"):
+            stopped = i
+            break
+    call_hook(finder, "on_train_end", model=model, opt=opt)
+    return stopped
+
+
+def test_exponential_and_linear_sweeps_go_from_start_to_end():
+    exp = LRFinder(1e-6, 1.0, num_it=7)
+    assert [exp.lr_at(i) for i in range(7)] == pytest.approx(
+        [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]
+    )
+    lin = LRFinder(0.1, 0.5, num_it=5, mode="linear")
+    assert [lin.lr_at(i) for i in range(5)] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+
+
+def test_records_num_it_steps_then_stops_training():
+    finder = LRFinder(1e-3, 1.0, num_it=4)
+    assert sweep(finder, [2.0, 1.9, 1.8, 1.7, 1.6, 1.5]) == 3
+    assert finder.losses == pytest.approx([2.0, 1.9, 1.8, 1.7])
+    assert finder.lrs == pytest.approx([1e-3, 1e-2, 1e-1, 1.0])
+
+
+def test_counts_optimizer_steps_not_batches():
+    finder = LRFinder(1e-3, 1.0, num_it=4)
+    losses = [2.0, 9.0, 1.9, 9.0, 1.8, 9.0, 1.7]
+    assert sweep(finder, losses, skipped={1, 3, 5}) == 6
+    assert finder.losses == pytest.approx([2.0, 1.9, 1.8, 1.7])
+
+
+def test_never_validates():
+    assert call_hook(LRFinder(), "on_epoch_begin") == {"skip_validate": True}
+
+
+@pytest.mark.parametrize("bad", [9.0, math.nan, math.inf])
+def test_stops_when_the_loss_diverges_and_drops_the_steps_after(bad):
+    finder = LRFinder(1e-3, 1.0, num_it=10, check_every=0.0)  # read every step
+    assert sweep(finder, [2.0, 1.5, 1.0, 2.0, bad, 1.0, 1.0]) == 4
+    assert finder.losses == pytest.approx([2.0, 1.5, 1.0, 2.0])
+    assert len(finder.lrs) == 4
+
+
+def test_reads_the_losses_only_when_check_every_has_passed(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    finder = LRFinder(1e-3, 1.0, num_it=10, check_every=1.0)
+    model = nn.Linear(2, 1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    call_hook(finder, "on_train_begin", model=model, opt=opt)
+    stops = []
+    for i, loss in enumerate([2.0, 1.0, 50.0, 60.0, 70.0]):
+        clock[0] = 0.4 * i  # a read is due at the batch of t=1.2
+        call_hook(finder, "on_step_end", skip_step=False)
+        update = call_hook(
+            finder, "on_batch_end", train=True, opt=opt, smooth_loss=torch.tensor(loss)
+        )
+        stops.append(bool(update))
+        if update:
+            break
+    assert stops == [False, False, False, True]
+    call_hook(finder, "on_train_end", model=model, opt=opt)
+    assert finder.losses == [2.0, 1.0]  # the divergence at step 2, found late
+
+
+def test_without_stop_div_the_whole_sweep_is_kept():
+    finder = LRFinder(1e-3, 1.0, num_it=4, stop_div=False, check_every=0.0)
+    assert sweep(finder, [2.0, 1.0, 50.0, math.nan]) == 3
+    assert len(finder.losses) == 4 and math.isnan(finder.losses[-1])
+
+
+def test_suggestions_are_the_steepest_descent_and_the_minimum_over_ten():
+    lrs = [10 ** (i / 4 - 6) for i in range(25)]
+    losses = [2.0] * 8 + [2.0 - 0.05 * i for i in range(1, 9)]
+    losses += [1.6 - 0.3 * i for i in range(1, 4)] + [0.7, 0.6, 1.5, 9.0][:4]
+    losses = losses[:25]
+    lowest = losses.index(min(losses))
+    steep = suggest_lrs(lrs, losses)
+    assert steep.min_div10 == pytest.approx(lrs[lowest] / 10)
+    assert 16 <= lrs.index(steep.steepest) <= 19  # in the steep stretch
+    assert steep.steepest < lrs[lowest]
+
+
+def test_lr_find_leaves_model_optimizer_callbacks_and_rng_as_before(tmp_path):
+    class Counter(Callback):
+        def __init__(self):
+            self.n = 0
+
+        def on_batch_end(self, **kwargs):
+            self.n += 1
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    counter = Counter()
+    learn = learner(tmp_path, callbacks=[counter])
+    learn.fit(1, lr=1e-2)
+    weights, opt_state = (
+        clone_params(learn.model),
+        copy.deepcopy(learn.opt.state_dict()),
+    )
+    buffers = [b.clone() for b in learn.model.buffers()]
+    history, n_seen = learn.recorder.state_dict(), counter.n
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    suggestions = learn.lr_find(num_it=20)
+    assert all(map(torch.equal, weights, learn.model.parameters()))
+    assert all(map(torch.equal, buffers, learn.model.buffers()))
+    assert learn.opt.lr == pytest.approx(1e-2)
+    state = learn.opt.state_dict()["opt"]
+    for key, moments in state["state"].items():
+        for name, t in moments.items():
+            assert torch.equal(t, opt_state["opt"]["state"][key][name])
+    assert counter.n == n_seen and learn.recorder.state_dict() == history
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert all(isinstance(v, float) and v > 0 for v in suggestions)
+
+
+def test_lr_find_restores_the_loaders_own_generator_and_python_numpy_rng(tmp_path):
+    import random
+
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    from fitlib import DataBunch
+
+    learn = learner(tmp_path)
+    ds = learn.data.train_dl.dataset
+    g = torch.Generator().manual_seed(0)
+    learn.data = DataBunch(DataLoader(ds, 16, shuffle=True, generator=g), None, "cpu")
+    state = g.get_state()
+    random.seed(1)
+    np.random.seed(1)
+    first = learn.lr_find(num_it=12)
+    assert torch.equal(g.get_state(), state)
+    assert (random.random(), np.random.rand()) == (
+        random.seed(1) or random.random(),
+        np.random.seed(1) or np.random.rand(),
+    )
+    assert learn.lr_find(num_it=12) == first  # the same batches: the same sweep
+
+
+def test_lr_find_before_any_fit_creates_no_optimizer(tmp_path):
+    learn = learner(tmp_path)
+    learn.lr_find(num_it=10)
+    assert learn.opt is None
+
+
+def test_lr_find_crosses_epochs_without_validation_and_plots(tmp_path):
+    class Batches(Callback):
+        def __init__(self):
+            self.valid = self.train = 0
+
+        def on_batch_end(self, train):
+            self.train += train
+            self.valid += not train
+
+    seen = Batches()
+    learn = learner(tmp_path, n_train=48, callbacks=[seen])  # 3 batches an epoch
+    learn.lr_find(num_it=10, stop_div=False)
+    result = learn.recorder.lr_find_result
+    assert len(result["lrs"]) == 10 and seen.train == 10 and seen.valid == 0
+    assert result["lrs"][0] == pytest.approx(1e-7)
+    assert result["lrs"][-1] == pytest.approx(10.0)
+    fig = learn.recorder.plot_lr_find()
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(s.startswith("steepest") for s in labels)
+    assert any(s.startswith("min_div10") for s in labels)
+
+
+def test_lr_find_counts_optimizer_steps_under_gradient_accumulation(tmp_path):
+    steps = []
+
+    class Steps(Callback):
+        def on_step_end(self, skip_step):
+            steps.append(not skip_step)
+
+    learn = learner(tmp_path, n_train=64, callbacks=[GradientAccumulation(2), Steps()])
+    learn.lr_find(num_it=6, stop_div=False)
+    assert len(learn.recorder.lr_find_result["lrs"]) == 6
+    assert sum(steps) == 6 and len(steps) == 12
+
+
+def test_plot_lr_find_before_a_sweep_says_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match=r"learn.lr_find\(\) first"):
+        learner(tmp_path).recorder.plot_lr_find()
+
+
+def test_a_loss_that_is_never_finite_is_a_clear_error(tmp_path):
+    learn = Learner(
+        make_data(),
+        make_model(),
+        lambda out, y: F.cross_entropy(out, y) * math.nan,
+        metrics=[],
+        path=tmp_path,
+        progress=False,
+    )
+    with pytest.raises(RuntimeError, match="not finite from the first step"):
+        learn.lr_find(num_it=10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"start_lr": 0.0}, "0 < start_lr < end_lr"),
+        ({"start_lr": 1.0, "end_lr": 0.1}, "0 < start_lr < end_lr"),
+        ({"num_it": 1}, "num_it must be an int >= 2"),
+        ({"num_it": 10.0}, "num_it must be an int >= 2"),
+        ({"mode": "log"}, "mode must be 'exp'"),
+        ({"check_every": -1}, "check_every must be"),
+    ],
+)
+def test_bad_arguments_are_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LRFinder(**kwargs)
