@@ -1,0 +1,101 @@
+"""``GradientAccumulation``: one optimizer step per ``n_steps`` batches.
+
+The gradients of ``n_steps`` batches add up before each step, so the step
+equals one on an ``n_steps`` times larger batch: each batch's loss is scaled
+by its share of the group's samples. A group shorter than ``n_steps`` at the
+end of an epoch (the ragged last group) steps too, with its gradients
+rescaled to its own sample count, as is a group whose last batch is smaller.
+
+Schedulers and the LR finder count optimizer steps: this callback sets
+``skip_step`` on the batches that do not step, and divides the fit's
+``n_steps`` in ``on_train_begin``. A loader without a length hides where an
+epoch ends, so there a group may span two epochs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fitlib.callback import Callback
+from fitlib.core import batch_size, len_or_none
+
+
+class GradientAccumulation(Callback):
+    """Steps the optimizer every ``n_steps`` batches, as on one larger batch.
+
+    Args:
+        n_steps: the number of batches whose gradients each step uses.
+
+    Example:
+        >>> # batches of 16, steps as with batches of 64:
+        >>> learn.fit(3, lr=1e-3, callbacks=[GradientAccumulation(4)])
+    """
+
+    order = -30  # before MixedPrecision and clipping, which act only on steps
+
+    def __init__(self, n_steps: int) -> None:
+        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+            raise ValueError(
+                f"GradientAccumulation: n_steps must be an int >= 1 (batches per "
+                f"optimizer step); got {n_steps!r}. Fix: e.g. n_steps=4."
+            )
+        self.n_steps = n_steps
+        self._count = self._samples = self._group = self._first = 0
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(self, model: torch.nn.Module, data: Any, n_epochs: int) -> dict:
+        """Runs before training: clears stale gradients, counts the steps."""
+        model.zero_grad(set_to_none=True)  # an interrupted group's gradients
+        self._count = self._samples = 0
+        self._len = len_or_none(data.train_dl)
+        steps = None if self._len is None else math.ceil(self._len / self.n_steps)
+        return {"n_steps": None if steps is None else n_epochs * steps}
+
+    def on_backward_begin(
+        self, last_loss: torch.Tensor, last_target: Any, last_input: Any, num_batch: int
+    ) -> dict:
+        """Runs before backward: scales the loss by its share of the group."""
+        size = batch_size(last_target, last_input)
+        if self._count == 0:  # a group starts: how many batches, how large
+            left = self.n_steps if self._len is None else self._len - num_batch
+            self._group, self._first = max(min(self.n_steps, left), 1), size
+        self._samples += size
+        return {"last_loss": last_loss * (size / (self._group * self._first))}
+
+    def on_backward_end(self, model: torch.nn.Module) -> dict | None:
+        """Runs after backward: skips the step until the group is complete."""
+        self._count += 1
+        if self._count < self._group:
+            return {"skip_step": True}
+        planned, samples = self._group * self._first, self._samples
+        self._count = self._samples = 0
+        if samples != planned:  # a smaller last batch: rescale to its mean
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(planned / samples)
+        return None
+
+    def on_step_end(self, skip_step: bool) -> dict | None:
+        """Runs after the (skipped) step: keeps the gradients of a group."""
+        return {"skip_zero": True} if skip_step and self._count else None
+
+    def state_dict(self) -> dict:
+        """The position in the current group (batches, samples)."""
+        return {
+            "count": self._count,
+            "samples": self._samples,
+            "group": self._group,
+            "first": self._first,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what ``state_dict`` returned."""
+        self._count, self._samples = int(state["count"]), int(state["samples"])
+        self._group, self._first = int(state["group"]), int(state["first"])
+
+    def __repr__(self) -> str:
+        return f"{self.name}(n_steps={self.n_steps})"

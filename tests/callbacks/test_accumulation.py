@@ -1,0 +1,294 @@
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import make_dataset, make_model
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
+from fitlib.callback import call_hook
+from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.mixed_precision import MixedPrecision
+from fitlib.callbacks.one_cycle import OneCycleScheduler
+from fitlib.callbacks.recorder import Recorder
+from fitlib.metrics import accuracy
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda m: HPOptimizer(m.parameters(), torch.optim.SGD, 0.1, 0.9),
+    "adamw": lambda m: HPOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2),
+}
+
+
+def mlp() -> nn.Module:
+    """No batch norm, no dropout: a larger batch is exactly the sum of parts."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def loader(n, bs):
+    return DataLoader(make_dataset(n), bs)  # no shuffle: the same order
+
+
+class NoLen:
+    """A loader without a length (a stream)."""
+
+    def __init__(self, dl):
+        self.dl = dl
+
+    def __iter__(self):
+        return iter(self.dl)
+
+
+class Steps(Callback):
+    """Notes where the optimizer stepped, and what a scheduler set then."""
+
+    order = 20  # after the schedulers (10)
+
+    def __init__(self):
+        self.at, self.lrs, self.n_steps = [], [], None
+
+    def on_train_begin(self, n_steps):
+        self.n_steps = n_steps
+
+    def on_step_end(self, skip_step, epoch, num_batch, opt):
+        if not skip_step:
+            self.at.append((epoch, num_batch))
+            self.lrs.append(opt.stepped[0])
+
+
+def train(train_dl, n_steps=None, epochs=2, opt="sgd_momentum", callbacks=()):
+    model = mlp()
+    accumulate = [] if n_steps is None else [GradientAccumulation(n_steps)]
+    data = DataBunch(train_dl, None, device="cpu")
+    fit(epochs, model, F.cross_entropy, OPTIMIZERS[opt](model), data,
+        [*accumulate, *callbacks])  # fmt: skip
+    return [p.detach() for p in model.parameters()]
+
+
+def same_weights(a, b):
+    return all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True))
+
+
+def backward_weights(acc, sizes, start=0):
+    """Drives a group's batches of ``sizes`` from batch ``start`` of the epoch:
+    the factor on each loss and what ``on_backward_end`` returned."""
+    weights, updates = [], []
+    for i, size in enumerate(sizes, start):
+        update = call_hook(acc, "on_backward_begin", last_loss=torch.tensor(1.0),
+                           last_target=torch.zeros(size), num_batch=i)  # fmt: skip
+        weights.append(update["last_loss"].item())
+        updates.append(call_hook(acc, "on_backward_end", model=nn.Linear(1, 1)))
+    return weights, updates
+
+
+def start(acc, n_batches, model=None):
+    data = SimpleNamespace(train_dl=[None] * n_batches)
+    model = model or nn.Linear(1, 1)
+    return call_hook(acc, "on_train_begin", model=model, data=data, n_epochs=1)
+
+
+# -- scripted hooks --------------------------------------------------------------
+def test_train_begin_divides_the_fits_steps_and_clears_old_gradients():
+    model = nn.Linear(2, 1)
+    model.weight.grad = torch.ones(1, 2)  # left by an interrupted group
+    data = SimpleNamespace(train_dl=[None] * 7)
+    update = call_hook(GradientAccumulation(3), "on_train_begin", model=model,
+                       data=data, n_epochs=4)  # fmt: skip
+    assert update == {"n_steps": 4 * math.ceil(7 / 3)}
+    assert model.weight.grad is None
+    stream = SimpleNamespace(train_dl=NoLen([]))
+    update = call_hook(GradientAccumulation(3), "on_train_begin", model=model,
+                       data=stream, n_epochs=4)  # fmt: skip
+    assert update == {"n_steps": None}
+
+
+def test_each_loss_is_scaled_by_its_share_of_the_group():
+    acc = GradientAccumulation(4)
+    start(acc, 4)
+    weights, updates = backward_weights(acc, [8, 8, 8, 8])
+    assert weights == [0.25] * 4
+    assert updates == [{"skip_step": True}] * 3 + [None]
+
+
+def test_a_ragged_last_group_is_scaled_to_its_own_length():
+    acc = GradientAccumulation(4)
+    start(acc, 6)  # groups of 4 and 2 batches
+    assert backward_weights(acc, [8] * 4)[0] == [0.25] * 4
+    weights, updates = backward_weights(acc, [8, 8], start=4)
+    assert weights == [0.5, 0.5]
+    assert updates == [{"skip_step": True}, None]
+
+
+def test_a_smaller_last_batch_rescales_the_gradients_to_the_sample_mean():
+    acc = GradientAccumulation(2)
+    start(acc, 2)
+    model = nn.Linear(1, 1, bias=False)
+
+    def batch(i, size):
+        update = call_hook(acc, "on_backward_begin", last_loss=torch.tensor(1.0),
+                           last_target=torch.zeros(size), num_batch=i)  # fmt: skip
+        return update["last_loss"].item()
+
+    assert batch(0, 8) == 0.5  # planned: a group of 2 batches of 8
+    assert call_hook(acc, "on_backward_end", model=model) == {"skip_step": True}
+    assert batch(1, 2) == 2 / 16
+    # The gradient the scaled losses left: (8 * g1 + 2 * g2) / 16 = 16, say.
+    model.weight.grad = torch.tensor([[16.0]])
+    assert call_hook(acc, "on_backward_end", model=model) is None
+    # Rescaled to the mean over the 10 samples there were: 16 * 16 / 10.
+    assert model.weight.grad.item() == pytest.approx(25.6)
+
+
+def test_gradients_are_kept_only_inside_a_group():
+    acc = GradientAccumulation(2)
+    acc._count = 1  # one batch of the group done
+    assert call_hook(acc, "on_step_end", skip_step=True) == {"skip_zero": True}
+    acc._count = 0  # the group stepped
+    assert call_hook(acc, "on_step_end", skip_step=False) is None
+
+
+@pytest.mark.parametrize("n_steps", [0, -1, 2.0, 1.5, True, False, "2", None])
+def test_bad_n_steps_is_a_clear_error(n_steps):
+    with pytest.raises(ValueError, match=r"n_steps must be an int >= 1.*Fix"):
+        GradientAccumulation(n_steps)
+
+
+def test_one_step_per_batch_is_allowed():
+    assert GradientAccumulation(1).n_steps == 1
+
+
+# -- through fit -----------------------------------------------------------------
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize(
+    ("n_train", "n"),
+    [
+        (96, 2),  # 6 batches of 16: groups divide the epoch
+        (100, 2),  # last group: one batch of 4
+        (100, 4),  # last group: 16, 16 and 4 samples
+        (80, 3),  # last group: two full batches of three
+    ],
+)
+def test_accumulating_n_batches_equals_one_batch_n_times_larger(opt, n_train, n):
+    accumulated = train(loader(n_train, 16), n, opt=opt)
+    large = train(loader(n_train, 16 * n), opt=opt)
+    assert same_weights(accumulated, large)
+    assert not same_weights(train(loader(n_train, 16), opt=opt), large)
+
+
+def test_n_steps_one_changes_nothing():
+    assert same_weights(train(loader(100, 16), 1), train(loader(100, 16)))
+
+
+@pytest.mark.parametrize(("n_train", "n"), [(100, 2), (100, 3), (96, 2), (96, 6)])
+def test_steps_once_per_group_and_sets_the_fits_n_steps(n_train, n):
+    steps = Steps()
+    train(loader(n_train, 16), n, epochs=3, callbacks=[steps])
+    per_epoch = math.ceil(math.ceil(n_train / 16) / n)
+    assert steps.n_steps == 3 * per_epoch
+    assert len(steps.at) == 3 * per_epoch
+    assert steps.at[per_epoch - 1] == (0, math.ceil(n_train / 16) - 1)  # epoch end
+
+
+def test_schedulers_count_optimizer_steps_not_batches():
+    steps, rec = Steps(), Recorder()
+    sched = OneCycleScheduler(max_lr=0.1)
+    train(loader(100, 16), 3, epochs=3, callbacks=[sched, steps, rec])
+    n_opt_steps = math.ceil(7 / 3) * 3
+    assert len(steps.lrs) == n_opt_steps and sched.step == n_opt_steps
+    assert len(set(steps.lrs)) == n_opt_steps  # each step had its own lr
+    assert len(set(rec.lrs)) == n_opt_steps and len(rec.lrs) == 7 * 3
+    assert steps.lrs[-1] == pytest.approx(0.1 / sched.final_div)
+    assert steps.lrs[0] == pytest.approx(0.1 / sched.div_factor)
+    assert max(steps.lrs) == pytest.approx(0.1, rel=0.05)
+
+
+def test_a_loader_without_length_carries_groups_across_epochs():
+    steps = Steps()
+    train(NoLen(loader(100, 16)), 2, epochs=2, callbacks=[steps])
+    assert steps.n_steps is None
+    # 7 batches per epoch: the fourth group is epoch 0's last batch and
+    # epoch 1's first.
+    assert steps.at == [(0, 1), (0, 3), (0, 5), (1, 0), (1, 2), (1, 4), (1, 6)]
+
+
+def test_a_loader_without_length_equals_larger_batches():
+    accumulated = train(NoLen(loader(96, 16)), 3, opt="adamw")
+    assert same_weights(accumulated, train(loader(96, 48), opt="adamw"))
+
+
+def test_works_with_fp16_loss_scaling_and_steps_the_scaler_per_group():
+    mp = MixedPrecision(torch.float16)
+    steps = Steps()
+    with pytest.warns(RuntimeWarning, match="on the CPU"):
+        weights = train(loader(100, 16), 2, callbacks=[mp, steps])
+    # The scaler unscales and updates once per optimizer step, not per batch.
+    assert mp.state_dict()["scaler"]["_growth_tracker"] == len(steps.at) == 8
+    assert mp.skipped_steps == 0
+    # As one batch twice as large in float32, up to float16's precision.
+    large = train(loader(100, 32))
+    assert all(torch.allclose(w, x, atol=2e-2) for w, x in zip(weights, large))
+
+
+# -- no host-device sync per batch -------------------------------------------------
+SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
+SYNCING += ["nonzero"]
+
+
+@pytest.fixture
+def host_syncs(monkeypatch):
+    """Counts calls that sync on a GPU, as tests/test_sync.py does, except that
+    ``.to()`` counts only copies from a device to the host."""
+    counts = {"n": 0}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    original_to = torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        to_host = target is not None and str(target).startswith("cpu")
+        counts["n"] += to_host and self.device.type != "cpu"
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)  # one bar refresh
+    return counts
+
+
+def syncs_during_fit(counter, n_train, fp16):
+    data = DataBunch(
+        DataLoader(make_dataset(n_train), 16, shuffle=True),
+        DataLoader(make_dataset(n_train // 2, seed=1), 16),
+        device="cpu",
+    )
+    learn = Learner(
+        data,
+        make_model(),
+        F.cross_entropy,
+        opt_func=torch.optim.SGD,
+        metrics=[accuracy],
+        callbacks=[GradientAccumulation(2)],
+    )
+    if fp16:
+        learn.to_fp16()
+    before = counter["n"]
+    learn.fit(2, lr=0.1)
+    return counter["n"] - before
+
+
+@pytest.mark.filterwarnings(r"ignore:MixedPrecision\(float16\) on the CPU")
+@pytest.mark.parametrize("fp16", [False, True])
+def test_sync_count_does_not_grow_with_batches(host_syncs, fp16):
+    few = syncs_during_fit(host_syncs, 64, fp16)
+    many = syncs_during_fit(host_syncs, 256, fp16)
+    assert few > 0  # epoch ends read values: the counter works
+    assert few == many
