@@ -1,0 +1,229 @@
+"""``Monitor``: the quantity a callback watches, and whether it improved.
+
+Shared by the callbacks that act on a monitored value (``ReduceLROnPlateau``;
+later ``EarlyStopping`` and ``Checkpoint(monitor=...)``). It is a helper, not
+a callback: its owner calls it from its own hooks.
+
+The value is read once per epoch, in one host transfer: ``valid_loss`` and the
+metrics from ``last_metrics``; ``train_loss`` as the sample-weighted mean of
+the epoch's training losses, which the owner hands over batch by batch as
+device tensors (a list append, no device op, no sync).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from fitlib.core import to_floats
+from fitlib.metrics import weighted_sum
+
+MODES = ("auto", "min", "max")
+LOSSES = ("valid_loss", "train_loss")
+# Words that say which way a quantity should go, for mode="auto". A name is
+# split into words ("top_k_accuracy" -> top, k, accuracy); trailing digits are
+# dropped ("acc1", "iou50") unless the word itself has them ("r2", "f1").
+_DOWN = frozenset({
+    "loss", "error", "err", "mse", "mae", "rmse", "msle", "rmsle", "mape", "smape",
+    "wape", "nll", "perplexity", "distance", "divergence", "hamming", "wer", "cer",
+})  # fmt: skip
+_UP = frozenset({
+    "accuracy", "acc", "f1", "fbeta", "r2", "precision", "recall", "auc", "auroc",
+    "ap", "map", "dice", "iou", "miou", "jaccard", "kappa", "mcc", "matthews",
+    "corr", "corrcoef", "pearson", "spearman", "specificity", "sensitivity",
+    "bleu", "rouge", "psnr", "ssim", "ndcg", "explained",
+})  # fmt: skip
+_F_SCORE = re.compile(r"f\d+(\.\d+)?")  # f1, f2, f0.5: FBeta's names
+
+
+def direction(name: str) -> str | None:
+    """``"min"`` or ``"max"``: which way ``name`` improves; None if unknown.
+
+    Example:
+        >>> direction("valid_loss"), direction("f0.5_score"), direction("x")
+        ('min', 'max', None)
+    """
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()  # camelCase
+    ways = set()
+    for word in re.findall(r"[a-z]+\d+(?:\.\d+)?|[a-z]+", name):
+        stem = re.sub(r"[\d.]+$", "", word)
+        if word in _DOWN or stem in _DOWN:
+            ways.add("min")
+        if word in _UP or stem in _UP or _F_SCORE.fullmatch(word):
+            ways.add("max")
+    # Both ("accuracy_loss") is as unknown as neither: the user must say.
+    return ways.pop() if len(ways) == 1 else None
+
+
+class Monitor:
+    """Reads a monitored quantity at epoch end and tells if it improved.
+
+    A value improves when it beats ``best`` by more than ``min_delta``
+    (absolute) in the mode's direction; NaN never improves. ``best`` starts
+    at the worst value (``inf`` for "min", ``-inf`` for "max").
+
+    Args:
+        monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
+        mode: ``"min"``, ``"max"``, or ``"auto"`` to infer it from the name.
+        min_delta: the least change that counts as an improvement (>= 0).
+        owner: the owning callback's name, for error messages.
+
+    Example:
+        >>> m = Monitor("accuracy", owner="EarlyStopping")
+        >>> m.start(metrics, data)              # in on_train_begin
+        >>> m.update(m.read(last_metrics))      # in on_epoch_end
+        True
+    """
+
+    def __init__(
+        self,
+        monitor: str = "valid_loss",
+        mode: str = "auto",
+        min_delta: float = 0.0,
+        owner: str = "Monitor",
+    ) -> None:
+        self.owner = owner
+        self.name = _check_name(monitor, owner)
+        self.mode = self._resolve_mode(mode)
+        self.min_delta = _check_min_delta(min_delta, owner)
+        self._index = 0  # where the value sits in last_metrics
+        self._losses: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+        self.reset()
+
+    @property
+    def needs_train_loss(self) -> bool:
+        """Whether the owner must pass each training batch to ``add_batch``."""
+        return self.name == "train_loss"
+
+    def reset(self) -> None:
+        """Forgets the best value (a new run starts)."""
+        self.best = math.inf if self.mode == "min" else -math.inf
+
+    def start(self, metrics: Any, data: Any = None) -> None:
+        """Checks, before training, that the value will exist; clears the batches.
+
+        Raises a ValueError listing the names that exist when it does not,
+        or when ``data`` has no ``valid_dl`` to compute a validation value on.
+        """
+        metric_names = list(getattr(metrics, "names", None) or [])
+        names = [*LOSSES, *metric_names]
+        if self.name not in names:
+            raise ValueError(
+                f"{self.owner}: monitor={self.name!r} is not computed in this "
+                f"fit; the names that exist are {names}. Fix: pass one of "
+                "them, or add the metric to fit(metrics=[...])."
+            )
+        if not self.needs_train_loss and _lacks_validation(data):
+            raise ValueError(
+                f"{self.owner}: monitor={self.name!r} needs validation, but "
+                "data.valid_dl is None, so it would never be computed. Fix: "
+                "pass a valid_dl, or monitor='train_loss'."
+            )
+        in_metrics = self.name in metric_names and self.name != "valid_loss"
+        self._index = 1 + metric_names.index(self.name) if in_metrics else 0
+        self._losses, self._sizes = [], []
+
+    def add_batch(self, loss: torch.Tensor, size: int) -> None:
+        """Keeps a training batch's detached loss and size (no device op)."""
+        self._losses.append(loss)
+        self._sizes.append(size)
+
+    def read(self, last_metrics: list | None) -> float | None:
+        """The epoch's value as a float (one host transfer), or None if absent.
+
+        Absent: validation was skipped (``last_metrics`` is None) for a
+        validation value, or no training batch was added for ``train_loss``.
+        Clears the batches added so far.
+        """
+        if self.needs_train_loss:
+            losses, sizes = self._losses, self._sizes
+            self._losses, self._sizes = [], []
+            if not losses:
+                return None
+            return to_floats([weighted_sum(losses, sizes) / sum(sizes)])[0]
+        if last_metrics is None:
+            return None
+        return to_floats([], [last_metrics[self._index]])[0]
+
+    def is_improvement(self, value: float) -> bool:
+        """Whether ``value`` beats ``best`` by more than ``min_delta``."""
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta  # False for NaN, as above
+
+    def update(self, value: float) -> bool:
+        """Records ``value`` as the best when it improves; returns whether it did."""
+        improved = self.is_improvement(value)
+        if improved:
+            self.best = value
+        return improved
+
+    def state_dict(self) -> dict:
+        """The best value, and what it is the best of (plain values)."""
+        return {"monitor": self.name, "mode": self.mode, "best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``; refuses the state of another quantity."""
+        if not isinstance(state, dict) or set(state) != {"monitor", "mode", "best"}:
+            raise ValueError(
+                f"{self.owner}: expected the dict Monitor.state_dict() returns "
+                f"(keys 'best', 'mode', 'monitor'); got {state!r}."
+            )
+        if (state["monitor"], state["mode"]) != (self.name, self.mode):
+            raise ValueError(
+                f"{self.owner}: the state is for monitor={state['monitor']!r}, "
+                f"mode={state['mode']!r}, but this one watches {self.name!r} "
+                f"({self.mode!r}). Fix: create it with the same monitor and mode."
+            )
+        self.best = float(state["best"])
+
+    def __repr__(self) -> str:
+        return (
+            f"Monitor({self.name!r}, mode={self.mode!r}, "
+            f"min_delta={self.min_delta}, best={self.best})"
+        )
+
+    def _resolve_mode(self, mode: Any) -> str:
+        if mode not in MODES:
+            raise ValueError(
+                f"{self.owner}: mode must be one of {MODES}; got {mode!r}. Fix: "
+                "mode='min' when lower is better, 'max' when higher is better."
+            )
+        if mode != "auto":
+            return mode
+        found = direction(self.name)
+        if found is None:
+            raise ValueError(
+                f"{self.owner}: mode='auto' cannot tell whether {self.name!r} "
+                "improves by going down (losses, errors) or up (accuracy, "
+                "f-scores, r2, ...). Fix: pass mode='min' or mode='max'."
+            )
+        return found
+
+
+def _check_name(monitor: Any, owner: str) -> str:
+    if not isinstance(monitor, str) or not monitor:
+        raise TypeError(
+            f"{owner}: monitor must be a name (a non-empty str); got {monitor!r}. "
+            "Fix: e.g. monitor='valid_loss' or the name of a metric."
+        )
+    return monitor
+
+
+def _check_min_delta(min_delta: Any, owner: str) -> float:
+    number = isinstance(min_delta, (int, float)) and not isinstance(min_delta, bool)
+    if not number or not 0 <= min_delta < math.inf:
+        raise ValueError(
+            f"{owner}: min_delta must be a finite number >= 0; got {min_delta!r}. "
+            "Fix: e.g. min_delta=0.0 (any improvement counts) or 1e-4."
+        )
+    return float(min_delta)
+
+
+def _lacks_validation(data: Any) -> bool:
+    # Only a data object that says so: hooks driven in tests may pass none.
+    return data is not None and getattr(data, "valid_dl", True) is None

@@ -1,0 +1,151 @@
+"""``TerminateOnNaN``: stops training at the first non-finite training loss.
+
+Reading a loss per batch would force a host-device sync per batch, so the
+losses are kept as device tensors and checked together, with one host
+transfer, every ``check_every`` seconds of wall-clock time and at each epoch
+end (which syncs anyway). The callback finds the exact first bad batch, but
+stops training at the check, which may come a few batches later.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from fitlib.callback import Callback
+
+
+class TerminateOnNaN(Callback):
+    """Stops training when a training loss is NaN or infinite, and says where.
+
+    Each training batch only appends its loss (a detached device tensor) to a
+    list and reads the clock. The pending losses are checked on the device
+    when ``check_every`` seconds have passed since the last check, and at
+    every epoch end. So it acts late by at most ``check_every`` seconds of
+    training after the bad batch (finishing the batch in progress then), or
+    at the end of that epoch, whichever comes first; the batches in between
+    still train (on NaN weights, by then). A
+    check during training also skips that epoch's validation; one at the
+    epoch end comes after it.
+
+    ``check_every=0`` checks after every batch: it stops right after the bad
+    batch, at the cost of a host-device sync per batch. ``math.inf`` checks
+    only at epoch ends.
+
+    On a bad loss it prints one line to stderr and sets ``nan_loss`` (the
+    value), ``nan_iteration``, ``nan_epoch`` and ``nan_batch`` (where it
+    happened: iteration since fit began, epoch, batch within the epoch) and
+    ``stop_iteration`` (the last training iteration that ran). They are None
+    while all losses were finite; each fit starts afresh.
+
+    Args:
+        check_every: seconds of wall-clock time between two checks (>= 0).
+
+    Example:
+        >>> nan = TerminateOnNaN()
+        >>> fit(10, model, F.cross_entropy, opt, data, callbacks=[nan])
+        >>> nan.nan_iteration  # None when every loss was finite
+    """
+
+    order = 40  # before Recorder (50) and ProgressBar (60) see the stop
+
+    def __init__(self, check_every: float = 1.0) -> None:
+        if (
+            isinstance(check_every, bool)
+            or not isinstance(check_every, (int, float))
+            or not check_every >= 0  # also catches NaN
+        ):
+            raise ValueError(
+                f"check_every must be a number of seconds >= 0; got "
+                f"{check_every!r} ({type(check_every).__name__}). Fix: e.g. "
+                "TerminateOnNaN(check_every=1.0); 0 checks every batch."
+            )
+        self.check_every = float(check_every)
+        self._reset()
+
+    def _reset(self) -> None:
+        # (loss, iteration, epoch, num_batch) of the training batches not yet
+        # checked; the losses stay on the device.
+        self._pending: list[tuple[torch.Tensor, int, int, int]] = []
+        self._last_check = time.perf_counter()
+        self.nan_loss: float | None = None
+        self.nan_iteration: int | None = None
+        self.nan_epoch: int | None = None
+        self.nan_batch: int | None = None
+        self.stop_iteration: int | None = None
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(self) -> None:
+        """Runs before training: forgets the previous fit, starts the clock."""
+        self._reset()
+
+    def on_batch_end(
+        self,
+        train: bool,
+        last_loss: torch.Tensor,
+        iteration: int,
+        epoch: int,
+        num_batch: int,
+    ) -> dict | None:
+        """Runs after each batch: keeps a training loss; checks when time is up."""
+        if not train:
+            return None
+        self._pending.append((last_loss, iteration, epoch, num_batch))
+        if time.perf_counter() - self._last_check < self.check_every:
+            return None
+        if self._check(stop_iteration=iteration):
+            return {"stop_training": True, "skip_validate": True}
+        return None
+
+    def on_epoch_end(self, iteration: int) -> dict | None:
+        """Runs after validation: checks the epoch's remaining losses."""
+        # `iteration` already counts the epoch's last batch: it ran as iteration-1.
+        if self._check(stop_iteration=iteration - 1):
+            return {"stop_training": True}
+        return None
+
+    # -- checking --------------------------------------------------------------
+    def _check(self, stop_iteration: int) -> bool:
+        """Checks the pending losses (one host transfer); True if one is bad."""
+        pending, self._pending = self._pending, []
+        self._last_check = time.perf_counter()
+        if not pending or self.nan_iteration is not None:
+            return False  # nothing new, or already reported: stop only once
+        all_finite, index, value = _first_non_finite([p[0] for p in pending])
+        if all_finite:
+            return False
+        _, self.nan_iteration, self.nan_epoch, self.nan_batch = pending[index]
+        self.nan_loss, self.stop_iteration = value, stop_iteration
+        print(self._message(), file=sys.stderr)
+        return True
+
+    def _message(self) -> str:
+        if self.check_every == 0:
+            pace = "after every batch"
+        elif math.isinf(self.check_every):
+            pace = "at each epoch end"
+        else:
+            pace = f"every {self.check_every:g} s and at each epoch end"
+        return (
+            f"fitlib: TerminateOnNaN: training loss was {self.nan_loss} at "
+            f"iteration {self.nan_iteration} (epoch {self.nan_epoch}, batch "
+            f"{self.nan_batch}); training stopped after iteration "
+            f"{self.stop_iteration}. The losses are checked {pace} (not every "
+            "batch, which would sync the device), so a few batches may have "
+            "trained after the bad one."
+        )
+
+
+def _first_non_finite(losses: list[torch.Tensor]) -> tuple[bool, int, float]:
+    """(all finite?, index of the first bad loss, its value), in one transfer."""
+    values = torch.stack(losses)
+    bad = ~torch.isfinite(values)
+    first = bad.to(torch.uint8).argmax()  # the first True; 0 when there is none
+    # At least float32: half precision would round large indices.
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    summary = torch.stack([t.to(dtype) for t in (bad.any(), first, values[first])])
+    any_bad, index, value = summary.tolist()
+    return not any_bad, int(index), value

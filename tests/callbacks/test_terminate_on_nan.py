@@ -1,0 +1,252 @@
+import math
+import time
+
+import pytest
+import torch
+from helpers import make_dataset, make_model
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import Callback, DataBunch, HPOptimizer, fit
+from fitlib.callback import call_hook
+from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
+
+STOP_NOW = {"stop_training": True, "skip_validate": True}
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A clock the test sets by hand: clock["now"] is what perf_counter says."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+    return clock
+
+
+def batch(cb, loss, iteration, epoch=0, num_batch=None, train=True):
+    """Calls on_batch_end for one batch as the handler would."""
+    return call_hook(
+        cb,
+        "on_batch_end",
+        train=train,
+        last_loss=torch.tensor(loss),
+        iteration=iteration,
+        epoch=epoch,
+        num_batch=iteration if num_batch is None else num_batch,
+    )
+
+
+# -- scripted hooks --------------------------------------------------------------
+def test_no_check_before_check_every_seconds_pass(clock):
+    cb = TerminateOnNaN(check_every=1.0)
+    call_hook(cb, "on_train_begin")
+    for i, t in enumerate([0.1, 0.5, 0.99]):
+        clock["now"] = t
+        assert batch(cb, math.nan, i) is None
+    assert cb.nan_iteration is None  # the NaN is pending, not yet seen
+    clock["now"] = 1.0
+    assert batch(cb, 1.0, 3) == STOP_NOW
+    assert cb.nan_iteration == 0
+
+
+def test_the_check_reports_the_first_bad_loss_among_several(clock, capsys):
+    cb = TerminateOnNaN(check_every=2.0)
+    call_hook(cb, "on_train_begin")
+    losses = [1.0, 0.5, math.inf, math.nan, 0.2, -math.inf]
+    for i, loss in enumerate(losses):
+        assert batch(cb, loss, iteration=10 + i, epoch=1, num_batch=3 + i) is None
+    clock["now"] = 2.5
+    assert batch(cb, 0.1, iteration=16, epoch=1, num_batch=9) == STOP_NOW
+    assert (cb.nan_iteration, cb.nan_epoch, cb.nan_batch) == (12, 1, 5)
+    assert cb.nan_loss == math.inf
+    assert cb.stop_iteration == 16
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line
+    assert "loss was inf at iteration 12 (epoch 1, batch 5)" in line
+    assert "stopped after iteration 16" in line
+    assert "every 2 s and at each epoch end" in line
+
+
+def test_epoch_end_always_checks_and_does_not_skip_validation(clock, capsys):
+    cb = TerminateOnNaN(check_every=60.0)
+    call_hook(cb, "on_train_begin")
+    assert batch(cb, 1.0, 0) is None
+    assert batch(cb, math.nan, 1) is None
+    assert batch(cb, 2.0, 2) is None
+    # Validation ran already: only stop_training, and the last batch was 2.
+    assert call_hook(cb, "on_epoch_end", iteration=3) == {"stop_training": True}
+    assert (cb.nan_iteration, cb.nan_batch, cb.stop_iteration) == (1, 1, 2)
+    assert math.isnan(cb.nan_loss)
+    assert "stopped after iteration 2" in capsys.readouterr().err
+
+
+def test_finite_losses_never_stop_training(clock):
+    cb = TerminateOnNaN(check_every=0)
+    call_hook(cb, "on_train_begin")
+    assert all(batch(cb, float(i), i) is None for i in range(5))
+    assert call_hook(cb, "on_epoch_end", iteration=5) is None
+    assert cb.nan_iteration is None and cb.stop_iteration is None
+
+
+def test_validation_losses_are_not_checked(clock):
+    cb = TerminateOnNaN(check_every=0)
+    call_hook(cb, "on_train_begin")
+    assert batch(cb, math.nan, 0, train=False) is None
+    assert call_hook(cb, "on_epoch_end", iteration=0) is None
+    assert cb.nan_iteration is None
+
+
+def test_check_every_zero_stops_at_the_bad_batch_itself(clock):
+    cb = TerminateOnNaN(check_every=0)
+    call_hook(cb, "on_train_begin")
+    assert batch(cb, 1.0, 0) is None
+    assert batch(cb, math.nan, 1) == STOP_NOW
+    assert cb.nan_iteration == cb.stop_iteration == 1
+
+
+def test_only_the_first_bad_loss_is_reported(clock, capsys):
+    cb = TerminateOnNaN(check_every=0)
+    call_hook(cb, "on_train_begin")
+    assert batch(cb, math.nan, 0) == STOP_NOW
+    assert batch(cb, math.inf, 1) is None  # e.g. another callback kept going
+    assert call_hook(cb, "on_epoch_end", iteration=2) is None
+    assert cb.nan_iteration == 0
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_on_train_begin_forgets_the_previous_fit(clock):
+    cb = TerminateOnNaN(check_every=10.0)
+    call_hook(cb, "on_train_begin")
+    batch(cb, 1.0, 0)
+    call_hook(cb, "on_epoch_end", iteration=1)
+    batch(cb, math.nan, 1)  # pending when the fit ended
+    clock["now"] = 5.0
+    call_hook(cb, "on_train_begin")  # the clock restarts at 5.0
+    clock["now"] = 14.0
+    assert batch(cb, 1.0, 0) is None  # 9 s since the new start: no check
+    assert call_hook(cb, "on_epoch_end", iteration=1) is None  # the NaN is gone
+
+    cb2 = TerminateOnNaN(check_every=0)
+    call_hook(cb2, "on_train_begin")
+    batch(cb2, math.nan, 0)
+    call_hook(cb2, "on_train_begin")
+    assert cb2.nan_iteration is cb2.nan_loss is cb2.stop_iteration is None
+
+
+# -- through fit -----------------------------------------------------------------
+class NaNFrom:
+    """cross_entropy, but NaN from the k-th training call on (0-based)."""
+
+    def __init__(self, k):
+        self.k, self.train_calls = k, 0
+
+    def __call__(self, out, y):
+        loss = F.cross_entropy(out, y)
+        if not torch.is_grad_enabled():  # validation
+            return loss
+        self.train_calls += 1
+        return loss * math.nan if self.train_calls > self.k else loss
+
+
+class CountValidation(Callback):
+    def __init__(self):
+        self.valid_batches = 0
+
+    def on_batch_end(self, train):
+        self.valid_batches += not train
+
+
+def train(callbacks, loss_func, epochs=3, n_train=100):
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    data = DataBunch(
+        DataLoader(make_dataset(n_train), 16, shuffle=True),
+        DataLoader(make_dataset(37, seed=1), 16),
+        device="cpu",
+    )
+    fit(epochs, model, loss_func, opt, data, callbacks)
+
+
+def test_fit_stops_right_after_the_first_nan_loss_when_checking_every_batch():
+    loss_func, cb, valid = NaNFrom(9), TerminateOnNaN(check_every=0), CountValidation()
+    train([cb, valid], loss_func)  # 7 batches per epoch: step 9 is epoch 1, batch 2
+    assert (cb.nan_iteration, cb.nan_epoch, cb.nan_batch) == (9, 1, 2)
+    assert cb.stop_iteration == 9 and math.isnan(cb.nan_loss)
+    assert loss_func.train_calls == 10  # no batch after the bad one
+    assert valid.valid_batches == 3  # epoch 0 only: epoch 1's was skipped
+
+
+def test_fit_with_a_frozen_clock_stops_at_the_epoch_end(monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)
+    loss_func, cb = NaNFrom(9), TerminateOnNaN(check_every=1.0)
+    train([cb], loss_func)
+    assert (cb.nan_iteration, cb.nan_epoch, cb.nan_batch) == (9, 1, 2)
+    assert cb.stop_iteration == 13  # the rest of epoch 1 trained
+    assert loss_func.train_calls == 14  # and no epoch 2
+
+
+def test_fit_without_nan_runs_every_epoch():
+    loss_func, cb = NaNFrom(10**6), TerminateOnNaN(check_every=0)
+    train([cb], loss_func)
+    assert loss_func.train_calls == 21
+    assert cb.nan_iteration is None
+
+
+# -- no host-device sync per batch -----------------------------------------------
+SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
+
+
+@pytest.fixture
+def sync_count(monkeypatch):
+    """Counts the calls that would make the host wait for a GPU (as test_sync)."""
+    counts = {"n": 0}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)  # frozen
+    return counts
+
+
+def syncs_of_fit(counts, n_train, callbacks):
+    before = counts["n"]
+    train(callbacks, F.cross_entropy, epochs=2, n_train=n_train)
+    return counts["n"] - before
+
+
+def syncs_of_callback(counts, n_train, check_every):
+    """The syncs a fit makes with TerminateOnNaN, less those it makes without
+    (the DataLoader's shuffling reads a few values per epoch)."""
+    baseline = syncs_of_fit(counts, n_train, [])
+    return syncs_of_fit(counts, n_train, [TerminateOnNaN(check_every)]) - baseline
+
+
+def test_the_per_batch_path_does_not_sync(sync_count):
+    few = syncs_of_callback(sync_count, 64, check_every=1.0)  # 4 batches an epoch
+    many = syncs_of_callback(sync_count, 256, check_every=1.0)  # 16 an epoch
+    assert few == many == 2  # the one transfer of each epoch end
+
+
+def test_check_every_zero_syncs_once_per_batch(sync_count):
+    few = syncs_of_callback(sync_count, 64, check_every=0)
+    many = syncs_of_callback(sync_count, 256, check_every=0)
+    assert (few, many) == (2 * 4, 2 * 16)  # the counter sees a per-batch check
+
+
+# -- bad input -------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, "1", None, True])
+def test_check_every_that_is_not_a_number_of_seconds_is_rejected(bad):
+    with pytest.raises(ValueError, match=r"check_every must be.*>= 0; got.*Fix"):
+        TerminateOnNaN(check_every=bad)
+
+
+def test_check_every_inf_checks_only_at_epoch_ends(clock, capsys):
+    cb = TerminateOnNaN(check_every=math.inf)
+    call_hook(cb, "on_train_begin")
+    clock["now"] = 1e9
+    assert batch(cb, math.nan, 0) is None
+    assert call_hook(cb, "on_epoch_end", iteration=1) == {"stop_training": True}
+    assert "checked at each epoch end" in capsys.readouterr().err
