@@ -27,8 +27,9 @@ from fitlib.core import (
     validate,
 )
 from fitlib.errors import name_of
-from fitlib.optim import HPOptimizer
+from fitlib.optim import HPOptimizer, lr_per_group
 from fitlib.serialization import atomic_save, load_model_state, safe_load
+from fitlib.shortcuts import TrainingShortcuts
 
 LR = float | slice | Sequence[float]
 NORM_TYPES = (
@@ -42,11 +43,14 @@ _CLASSIFICATION_LOSSES = (F.cross_entropy, F.nll_loss)
 _said: set[str] = set()
 
 
-class Learner:
+class Learner(TrainingShortcuts):
     """Bundles data, model, loss, optimizer and callbacks, and trains them.
 
     The optimizer is created at the first ``fit`` and kept, with its state,
     for the next ones. ``Recorder`` and ``ProgressBar`` are on by default.
+    Training shortcuts (``fit_one_cycle``, ``fit_flat_cos``,
+    ``fit_warmup_cos``, ``lr_find``, ``to_fp16``, ``to_bf16``) come from
+    ``fitlib.shortcuts.TrainingShortcuts``.
 
     Args:
         data: a ``DataBunch`` (anything with ``train_dl``/``valid_dl``); the
@@ -142,7 +146,7 @@ class Learner:
         if self.opt is None:
             groups = [{"params": params} for params in self.layer_groups]
             self.opt = HPOptimizer(
-                groups, self.opt_func, lr=lrs, wd=wd, true_wd=self.true_wd
+                groups, self._opt_func(), lr=lrs, wd=wd, true_wd=self.true_wd
             )
         else:
             self.opt.lr, self.opt.wd = lrs, wd
@@ -154,22 +158,7 @@ class Learner:
 
     def lr_range(self, lr: LR) -> list[float]:
         """One learning rate per layer group from a float, slice or sequence."""
-        n = len(self.layer_groups)
-        if isinstance(lr, slice):
-            if lr.stop is None or (lr.start is not None and lr.start <= 0):
-                raise ValueError(
-                    f"lr: got {lr!r}; a slice needs a positive stop, and a "
-                    "positive start if any. Fix: lr=slice(1e-5, 1e-3)."
-                )
-            if lr.start is None:
-                return [lr.stop / 10] * (n - 1) + [lr.stop]
-            if n == 1:
-                return [lr.stop]
-            ratio = (lr.stop / lr.start) ** (1 / (n - 1))
-            return [lr.start * ratio**i for i in range(n)]
-        if isinstance(lr, (int, float)):
-            return [float(lr)] * n
-        return list(lr)
+        return lr_per_group(lr, len(self.layer_groups))
 
     # -- freezing --------------------------------------------------------------
     def freeze_to(self, n: int) -> None:
@@ -251,14 +240,28 @@ class Learner:
 
     # -- saving ----------------------------------------------------------------
     def save(self, name: str | Path, with_opt: bool = True) -> Path:
-        """Saves the model (and optimizer) to ``path/models/name.pth`` atomically."""
-        state = {"model": self.model.state_dict()}
+        """Saves the model (and optimizer) to ``path/models/name.pth`` atomically.
+
+        With the optimizer go the states of the Learner's stateful callbacks
+        (such as ``MixedPrecision``'s loss scale), keyed by class name.
+        """
+        state: dict[str, Any] = {"model": self.model.state_dict()}
         if with_opt and self.opt is not None:
             state["opt"] = self.opt.state_dict()
+            state["callbacks"] = [
+                [cb.name, cb_state]
+                for cb in self.callbacks
+                if (cb_state := cb.state_dict())
+            ]
         return atomic_save(state, self._file(name))
 
     def load(self, name: str | Path, with_opt: bool = True) -> Learner:
-        """Loads what ``save`` wrote: model weights and optimizer state."""
+        """Loads what ``save`` wrote: weights, optimizer and callback states.
+
+        A saved callback state goes to this Learner's callback of the same
+        class; one it has no callback for (``MixedPrecision`` when loading for
+        inference in float32, say) is left unused.
+        """
         path = self._file(name)
         state = safe_load(path, map_location=model_device(self.model))
         if not isinstance(state, dict) or "model" not in state:
@@ -266,7 +269,18 @@ class Learner:
         load_model_state(self.model, state["model"], repr(str(path)))
         if with_opt and "opt" in state:
             self.create_opt(1e-3).load_state_dict(state["opt"])
+            self._load_callbacks(state.get("callbacks", []))
         return self
+
+    def _load_callbacks(self, states: list) -> None:
+        """Gives each saved callback state to this Learner's callback of that
+        class, in order; states of callbacks it lacks are not needed here."""
+        waiting = list(self.callbacks)
+        for name, cb_state in states:
+            cb = next((cb for cb in waiting if cb.name == name), None)
+            if cb is not None:
+                cb.load_state_dict(cb_state)
+                waiting.remove(cb)
 
     def _file(self, name: str | Path) -> Path:
         name = Path(name)

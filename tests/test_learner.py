@@ -47,6 +47,20 @@ def test_save_load_round_trip_restores_predictions_and_optimizer(tmp_path):
             assert torch.equal(value, loaded["opt"]["state"][k][name])
 
 
+@pytest.mark.filterwarnings("ignore:MixedPrecision.float16. on the CPU")
+def test_save_keeps_the_loss_scale_and_load_gives_it_back(tmp_path):
+    learn = learner(tmp_path, opt_func=torch.optim.SGD).to_fp16()
+    learn.callbacks[0].scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    learn.fit(1, lr=1e-2)
+    scale = learn.callbacks[0].scaler.get_scale()
+    learn.save("fp16")
+    fresh = learner(tmp_path, opt_func=torch.optim.SGD).to_fp16().load("fp16")
+    assert fresh.callbacks[0].state_dict() == learn.callbacks[0].state_dict()
+    fresh.fit(1, lr=1e-2)  # the scaler starts from the loaded scale
+    assert fresh.callbacks[0].scaler.get_scale() == scale
+    learner(tmp_path).load("fp16")  # in float32 the saved scale is not needed
+
+
 def test_loading_into_a_different_model_lists_the_keys(tmp_path):
     learn = learner(tmp_path)
     learn.save("m")

@@ -2,16 +2,61 @@
 
 Order of the built-in callbacks (lower runs first within an event):
 
-==============  =====  ======================================================
-callback        order  why there
-==============  =====  ======================================================
-Recorder          50   after callbacks that change the loss or hyper-params,
-                       so it records the final values
-ProgressBar       60   after Recorder: shows what the epoch ended with
-==============  =====  ======================================================
+====================  =====  ================================================
+callback              order  why there
+====================  =====  ================================================
+GradientAccumulation   -30   first: decides whether this batch steps
+                             (``skip_step``) and scales the loss; sets the
+                             fit's ``n_steps`` before schedulers read it
+MixedPrecision         -20   unscales the gradients of a step before any
+                             later ``on_backward_end`` (clipping, yours)
+GradientClipping       -10   clips true (unscaled) gradients right before the
+                             step that uses them
+(your callbacks)         0   see unscaled gradients; default order
+ParamScheduler,         10   set the hyper-parameters of the next step after
+OneCycleScheduler,           each optimizer step; the LR finder also stops
+LRFinder                     the sweep
+ReduceLROnPlateau       40   lowers the lr after an epoch's validation
+TerminateOnNaN          40   reads the losses at a paced check or epoch end
+Recorder                50   after callbacks that change the loss or hyper-
+                             params, so it records the final values
+ProgressBar             60   after Recorder: shows what the epoch ended with
+====================  =====  ================================================
 """
 
+from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.clipping import GradientClipping
+from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
+from fitlib.callbacks.mixed_precision import MixedPrecision
+from fitlib.callbacks.monitor import Monitor
+from fitlib.callbacks.one_cycle import OneCycleScheduler
+from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
+from fitlib.callbacks.schedule import (
+    ParamScheduler,
+    constant,
+    cosine,
+    exponential,
+    linear,
+)
+from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 
-__all__ = ["ProgressBar", "Recorder"]
+__all__ = [
+    "GradientAccumulation",
+    "GradientClipping",
+    "LRFinder",
+    "MixedPrecision",
+    "Monitor",
+    "OneCycleScheduler",
+    "ParamScheduler",
+    "ProgressBar",
+    "Recorder",
+    "ReduceLROnPlateau",
+    "SuggestedLRs",
+    "TerminateOnNaN",
+    "constant",
+    "cosine",
+    "exponential",
+    "linear",
+]

@@ -1,0 +1,202 @@
+"""The ``Learner``'s training shortcuts: schedules, the LR finder, precision.
+
+Each shortcut adds a callback to one ``fit``; ``Learner`` inherits them from
+``TrainingShortcuts``, kept apart so each module stays short.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import torch
+
+from fitlib.callback import Callback
+from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
+from fitlib.callbacks.mixed_precision import MixedPrecision
+from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
+from fitlib.callbacks.progress import ProgressBar
+from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
+from fitlib.core import fit, len_or_none
+
+
+class TrainingShortcuts:
+    """``fit_one_cycle``, ``fit_flat_cos``, ``fit_warmup_cos``, ``lr_find``,
+    ``to_fp16``, ``to_bf16`` and ``to_fp32``, for ``Learner``."""
+
+    # Provided by Learner.
+    callbacks: list[Callback]
+    opt: Any
+    progress: bool
+
+    def fit_one_cycle(
+        self,
+        epochs: int,
+        max_lr: MaxLR,
+        div_factor: float = 25.0,
+        pct_start: float = 0.3,
+        final_div: float | None = None,
+        moms: tuple[float, float] | None = (0.95, 0.85),
+        wd: float | None = None,
+        callbacks: Iterable[Callback] | None = None,
+    ) -> None:
+        """Trains with the 1cycle policy (see ``OneCycleScheduler``).
+
+        ``max_lr`` is a float, one value per layer group, or a slice.
+
+        Example:
+            >>> learn.fit_one_cycle(5, max_lr=1e-2)
+        """
+        sched = OneCycleScheduler(
+            self.lr_range(max_lr), div_factor, pct_start, final_div, moms
+        )
+        self.fit(epochs, max_lr, wd, callbacks=[sched, *(callbacks or [])])
+
+    def fit_flat_cos(
+        self,
+        epochs: int,
+        lr: MaxLR = 1e-3,
+        pct_start: float = 0.75,
+        wd: float | None = None,
+        callbacks: Iterable[Callback] | None = None,
+    ) -> None:
+        """Trains at ``lr`` for ``pct_start`` of the steps, then anneals to 0.
+
+        Example:
+            >>> learn.fit_flat_cos(5, lr=1e-3)
+        """
+        lrs = self.lr_range(lr)
+        _check_fraction("pct_start", pct_start)
+        phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
+        sched = ParamScheduler({"lr": phases})
+        self.fit(epochs, lr, wd, callbacks=[sched, *(callbacks or [])])
+
+    def fit_warmup_cos(
+        self,
+        epochs: int,
+        lr: MaxLR = 1e-3,
+        pct_warmup: float = 0.1,
+        wd: float | None = None,
+        callbacks: Iterable[Callback] | None = None,
+    ) -> None:
+        """Warms up linearly from 0 to ``lr``, then anneals along a cosine to 0.
+
+        Example:
+            >>> learn.fit_warmup_cos(5, lr=1e-3, pct_warmup=0.05)
+        """
+        lrs = self.lr_range(lr)
+        _check_fraction("pct_warmup", pct_warmup)
+        phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
+        sched = ParamScheduler({"lr": phases})
+        self.fit(epochs, lr, wd, callbacks=[sched, *(callbacks or [])])
+
+    def lr_find(
+        self,
+        start_lr: float = 1e-7,
+        end_lr: float = 10.0,
+        num_it: int = 100,
+        stop_div: bool = True,
+        mode: str = "exp",
+    ) -> SuggestedLRs:
+        """Sweeps the learning rate (see ``LRFinder``); returns suggestions.
+
+        Afterwards the model, the optimizer, the callbacks and the random
+        number generators are as before; ``recorder.plot_lr_find()`` plots
+        the sweep.
+
+        Example:
+            >>> learn.lr_find()
+            SuggestedLRs(steepest=0.0012, min_div10=0.0036)
+            >>> learn.recorder.plot_lr_find()
+        """
+        finder = LRFinder(start_lr, end_lr, num_it, stop_div, mode)
+        had_opt, saved = self.opt is not None, _states(self.callbacks)
+        if not had_opt:
+            self.create_opt(start_lr)
+        extra = [ProgressBar()] if self.progress else []
+        try:
+            fit(
+                self._sweep_epochs(num_it),
+                self.model,
+                self.loss_func,
+                self.opt,
+                self.data,
+                callbacks=[*self.callbacks, finder, *extra],
+                metrics=[],
+            )
+        finally:
+            for cb, state in zip(self.callbacks, saved, strict=True):
+                cb.load_state_dict(state)
+            if not had_opt:
+                self.opt = None
+        self.recorder.lr_find_result = finder.result
+        if finder.suggestions is None:
+            raise RuntimeError(
+                f"lr_find: the loss was not finite from the first step (lr "
+                f"{start_lr:g}), so there is nothing to suggest. Fix: check the "
+                "data and the model's output for NaN or inf, or lower start_lr."
+            )
+        return finder.suggestions
+
+    def _sweep_epochs(self, num_it: int) -> int:
+        """Epochs enough for ``num_it`` optimizer steps."""
+        n_batches = len_or_none(self.data.train_dl)
+        if n_batches is None:
+            return num_it  # each epoch has a batch at least: the finder stops
+        per_step = math.prod(
+            cb.n_steps for cb in self.callbacks if isinstance(cb, GradientAccumulation)
+        )
+        return math.ceil(num_it / math.ceil(n_batches / per_step))
+
+    def to_fp16(self) -> Any:
+        """Trains in mixed precision with float16 and loss scaling (CUDA).
+
+        Creates the optimizer fused (SGD, Adam, AdamW), so skipping a step with
+        non-finite gradients costs no host-device sync. Returns the Learner.
+
+        Example:
+            >>> learn = Learner(data, model).to_fp16()
+        """
+        return self._set_precision(MixedPrecision(torch.float16))
+
+    def to_bf16(self) -> Any:
+        """Trains in mixed precision with bfloat16 (CPUs, Ampere GPUs and up)."""
+        return self._set_precision(MixedPrecision(torch.bfloat16))
+
+    def to_fp32(self) -> Any:
+        """Trains in full precision again (removes ``MixedPrecision``)."""
+        self.callbacks = [cb for cb in self.callbacks if not _is_mp(cb)]
+        return self
+
+    def _set_precision(self, mp: MixedPrecision) -> Any:
+        self.to_fp32()
+        self.callbacks.append(mp)
+        return self
+
+    def _opt_func(self) -> Any:
+        """``opt_func``, fused under float16 where the optimizer can be."""
+        fp16 = any(_is_mp(cb) and cb.dtype is torch.float16 for cb in self.callbacks)
+        if fp16 and "fused" in inspect.signature(self.opt_func).parameters:
+            return partial(self.opt_func, fused=True)
+        return self.opt_func
+
+
+def _is_mp(cb: Callback) -> bool:
+    return isinstance(cb, MixedPrecision)
+
+
+def _states(callbacks: list[Callback]) -> list[dict]:
+    return [copy.deepcopy(cb.state_dict()) for cb in callbacks]
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value < 1):
+        raise ValueError(
+            f"{name} must be a fraction of training in (0, 1); got {value!r}. "
+            f"Fix: e.g. {name}=0.25."
+        )

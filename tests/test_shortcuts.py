@@ -1,0 +1,70 @@
+import itertools
+
+import pytest
+from helpers import make_data, make_model
+from torch.nn import functional as F  # noqa: N812
+
+from fitlib import Callback, Learner
+
+
+def learner(tmp_path, **kwargs):
+    return Learner(
+        make_data(n_train=160, bs=16),  # 10 batches an epoch
+        make_model(),
+        F.cross_entropy,
+        path=tmp_path,
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_fit_flat_cos_is_flat_then_anneals_to_zero(tmp_path):
+    learn = learner(tmp_path)
+    learn.fit_flat_cos(2, lr=1e-2, pct_start=0.5)
+    lrs = learn.recorder.lrs
+    assert lrs[:10] == [1e-2] * 10  # flat until step 0.5 * 20 - 1 = 9
+    assert lrs[10:] == sorted(lrs[10:], reverse=True) and lrs[10] < 1e-2
+    assert lrs[-1] == 0.0
+
+
+def test_fit_warmup_cos_warms_up_linearly_then_anneals(tmp_path):
+    learn = learner(tmp_path)
+    learn.fit_warmup_cos(2, lr=1e-2, pct_warmup=0.25)
+    lrs = learn.recorder.lrs
+    peak = lrs.index(max(lrs))
+    assert lrs[0] == 0.0 and peak == 4 and lrs[peak] == pytest.approx(1e-2)
+    steps = [b - a for a, b in itertools.pairwise(lrs[: peak + 1])]
+    assert steps == pytest.approx([2.5e-3] * 4)
+    assert lrs[peak:] == sorted(lrs[peak:], reverse=True) and lrs[-1] == 0.0
+    assert learn.recorder.train_losses[-1] < learn.recorder.train_losses[0]
+
+
+class FirstLrs(Callback):
+    order = 20  # after the scheduler (10) set the first step's values
+
+    def on_train_begin(self, opt):
+        self.lrs = opt.lr
+
+
+def test_schedules_spread_a_slice_over_layer_groups(tmp_path):
+    model, first = make_model(), FirstLrs()
+    learn = Learner(
+        make_data(), model, F.cross_entropy, path=tmp_path, progress=False,
+        layer_groups=[model[:2], model[2:]], callbacks=[first],
+    )  # fmt: skip
+    learn.fit_flat_cos(1, lr=slice(1e-2), pct_start=0.5)
+    assert first.lrs == pytest.approx([1e-3, 1e-2])
+    assert learn.opt.lr == 0.0
+    learn.fit_warmup_cos(2, lr=slice(1e-4, 1e-2), pct_warmup=0.5)
+    assert max(learn.recorder.lrs) == pytest.approx(1e-2)  # the last group's
+    assert learn.opt.lr == 0.0
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.5, "half"])
+def test_fractions_outside_zero_one_are_errors(tmp_path, bad):
+    learn = learner(tmp_path)
+    with pytest.raises(ValueError, match=r"pct_start must be a fraction .* \(0, 1\)"):
+        learn.fit_flat_cos(1, lr=1e-3, pct_start=bad)
+    with pytest.raises(ValueError, match=r"pct_warmup must be a fraction"):
+        learn.fit_warmup_cos(1, lr=1e-3, pct_warmup=bad)
+    assert learn.recorder.lrs == []
