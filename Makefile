@@ -28,7 +28,7 @@ lint: $(VENV)/.dev
 	$(PY) -m ruff format fitlib tests benchmarks examples notebooks
 
 bench: $(VENV)/.base
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py --amp
 
 clean:
 	rm -rf $(VENV) build *.egg-info
