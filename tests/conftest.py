@@ -1,7 +1,10 @@
 """Fixtures for the test suite; the builders live in helpers.py."""
 
+import time
+
 import matplotlib
 import pytest
+import torch
 from helpers import make_data, make_model
 
 matplotlib.use("Agg")
@@ -15,3 +18,45 @@ def data():
 @pytest.fixture
 def model():
     return make_model()
+
+
+# Tensor methods that make the host wait for a GPU. ``nonzero``'s output size
+# depends on the data, so it syncs too.
+SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
+SYNCING += ["nonzero"]
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Counts the calls that would sync with a GPU: ``counts["n"]``.
+
+    On a CPU there is no device to wait for, so the Python calls that would
+    force a sync are counted; ``.to()`` counts only copies from a device to
+    the host (GradScaler and fused optimizers move tensors to the device they
+    are already on).
+    """
+    counts = {"n": 0}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    original_to = torch.Tensor.to
+
+    def counted_to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        to_host = target is not None and str(target).startswith("cpu")
+        counts["n"] += to_host and self.device.type != "cpu"
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    return counts
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch):
+    """``time.perf_counter`` stops: paced refreshes and checks happen once."""
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)

@@ -24,37 +24,6 @@ from fitlib.callbacks import (
 )
 from fitlib.metrics import F1Score, accuracy, top_k_accuracy
 
-SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
-SYNCING += ["nonzero"]  # its output size depends on the data: a sync on a GPU
-
-
-def _to_host(tensor, args, kwargs):
-    """Whether ``tensor.to(*args, **kwargs)`` copies from a device to the host."""
-    target = kwargs.get("device", args[0] if args else None)
-    on_device = tensor.device.type != "cpu"
-    return on_device and target is not None and str(target).startswith("cpu")
-
-
-@pytest.fixture
-def sync_counter(monkeypatch):
-    counts = {"n": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    original_to = torch.Tensor.to
-
-    def counted_to(self, *args, **kwargs):
-        counts["n"] += _to_host(self, args, kwargs)  # a copy to the host waits
-        return original_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", counted_to)
-    return counts
-
 
 def fit_twice(learn):
     learn.fit(2, lr=0.1)

@@ -1,5 +1,4 @@
 import math
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -234,34 +233,10 @@ def test_works_with_fp16_loss_scaling_and_steps_the_scaler_per_group():
 
 
 # -- no host-device sync per batch -------------------------------------------------
-SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
-SYNCING += ["nonzero"]
-
-
 @pytest.fixture
-def host_syncs(monkeypatch):
-    """Counts calls that sync on a GPU, as tests/test_sync.py does, except that
-    ``.to()`` counts only copies from a device to the host."""
-    counts = {"n": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    original_to = torch.Tensor.to
-
-    def counted_to(self, *args, **kwargs):
-        target = kwargs.get("device", args[0] if args else None)
-        to_host = target is not None and str(target).startswith("cpu")
-        counts["n"] += to_host and self.device.type != "cpu"
-        return original_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", counted_to)
-    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)  # one bar refresh
-    return counts
+def host_syncs(sync_counter, frozen_clock):
+    """The suite's sync counter (conftest.py), with the clock frozen."""
+    return sync_counter
 
 
 def syncs_during_fit(counter, n_train, fp16):

@@ -1,7 +1,6 @@
 import copy
 import io
 import math
-import time
 from functools import partial
 
 import pytest
@@ -424,35 +423,10 @@ def test_to_fp16_and_to_bf16_replace_each_other():
 
 
 # -- no host-device sync per batch -------------------------------------------------
-SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
-SYNCING += ["nonzero"]
-
-
 @pytest.fixture
-def host_syncs(monkeypatch):
-    """Counts calls that sync on a GPU, as tests/test_sync.py does, except that
-    ``.to()`` counts only copies from a device to the host: the GradScaler
-    and fused optimizers move tensors to the device they are already on."""
-    counts = {"n": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    original_to = torch.Tensor.to
-
-    def counted_to(self, *args, **kwargs):
-        target = kwargs.get("device", args[0] if args else None)
-        to_host = target is not None and str(target).startswith("cpu")
-        counts["n"] += to_host and self.device.type != "cpu"
-        return original_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", counted_to)
-    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)  # one bar refresh
-    return counts
+def host_syncs(sync_counter, frozen_clock):
+    """The suite's sync counter (conftest.py), with the clock frozen."""
+    return sync_counter
 
 
 def syncs_during_fit(counter, n_train, precision, opt_func=torch.optim.SGD):

@@ -281,30 +281,6 @@ def test_through_fit_an_unknown_monitor_fails_before_any_step():
 
 
 # -- no sync per batch -----------------------------------------------------------
-SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
-
-
-@pytest.fixture
-def sync_counter(monkeypatch):
-    """Counts the calls that would wait for a GPU (copied from test_sync.py)."""
-    counts = {"n": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    original_to = torch.Tensor.to
-
-    def counted_to(self, *args, **kwargs):
-        target = kwargs.get("device", args[0] if args else None)
-        counts["n"] += target is not None and str(target).startswith("cpu")
-        return original_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", counted_to)
-    return counts
 
 
 def count_syncs(n_train, counter):

@@ -192,23 +192,10 @@ def test_fit_without_nan_runs_every_epoch():
 
 
 # -- no host-device sync per batch -----------------------------------------------
-SYNCING = ["item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy"]
-
-
 @pytest.fixture
-def sync_count(monkeypatch):
-    """Counts the calls that would make the host wait for a GPU (as test_sync)."""
-    counts = {"n": 0}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)  # frozen
-    return counts
+def sync_count(sync_counter, frozen_clock):
+    """The suite's sync counter (conftest.py), with the clock frozen."""
+    return sync_counter
 
 
 def syncs_of_fit(counts, n_train, callbacks):
