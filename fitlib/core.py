@@ -47,6 +47,7 @@ def fit(
     """
     device = _check_fit_args(epochs, model, loss_func, data)
     opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
+    opt.stepped = None  # no step of this fit yet (the Recorder reads it)
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
     cb_handler = CallbackHandler(callbacks)

@@ -44,16 +44,18 @@ class TrainingShortcuts:
         moms: tuple[float, float] | None = (0.95, 0.85),
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
+        total_steps: int | None = None,
     ) -> None:
         """Trains with the 1cycle policy (see ``OneCycleScheduler``).
 
         ``max_lr`` is a float, one value per layer group, or a slice.
+        ``total_steps`` is needed only for a loader without a length.
 
         Example:
             >>> learn.fit_one_cycle(5, max_lr=1e-2)
         """
         sched = OneCycleScheduler(
-            self.lr_range(max_lr), div_factor, pct_start, final_div, moms
+            max_lr, div_factor, pct_start, final_div, moms, total_steps
         )
         self.fit(epochs, max_lr, wd, callbacks=[sched, *(callbacks or [])])
 
@@ -64,6 +66,7 @@ class TrainingShortcuts:
         pct_start: float = 0.75,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
+        total_steps: int | None = None,
     ) -> None:
         """Trains at ``lr`` for ``pct_start`` of the steps, then anneals to 0.
 
@@ -73,7 +76,7 @@ class TrainingShortcuts:
         lrs = self.lr_range(lr)
         _check_fraction("pct_start", pct_start)
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
-        sched = ParamScheduler({"lr": phases})
+        sched = ParamScheduler({"lr": phases}, total_steps)
         self.fit(epochs, lr, wd, callbacks=[sched, *(callbacks or [])])
 
     def fit_warmup_cos(
@@ -83,6 +86,7 @@ class TrainingShortcuts:
         pct_warmup: float = 0.1,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
+        total_steps: int | None = None,
     ) -> None:
         """Warms up linearly from 0 to ``lr``, then anneals along a cosine to 0.
 
@@ -92,7 +96,7 @@ class TrainingShortcuts:
         lrs = self.lr_range(lr)
         _check_fraction("pct_warmup", pct_warmup)
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
-        sched = ParamScheduler({"lr": phases})
+        sched = ParamScheduler({"lr": phases}, total_steps)
         self.fit(epochs, lr, wd, callbacks=[sched, *(callbacks or [])])
 
     def lr_find(
@@ -105,9 +109,11 @@ class TrainingShortcuts:
     ) -> SuggestedLRs:
         """Sweeps the learning rate (see ``LRFinder``); returns suggestions.
 
-        Afterwards the model, the optimizer, the callbacks and the random
-        number generators are as before; ``recorder.plot_lr_find()`` plots
-        the sweep.
+        The Learner's callbacks take part (mixed precision, accumulation and
+        clipping shape the sweep; a scheduler among them would move momentum
+        too). Afterwards the model, the optimizer, the callbacks' states and
+        the random number generators are as before; ``recorder.plot_lr_find()``
+        plots the sweep.
 
         Example:
             >>> learn.lr_find()
@@ -127,7 +133,7 @@ class TrainingShortcuts:
                 self.opt,
                 self.data,
                 callbacks=[*self.callbacks, finder, *extra],
-                metrics=[],
+                metrics=self.metrics,  # not computed (no validation), but named
             )
         finally:
             for cb, state in zip(self.callbacks, saved, strict=True):

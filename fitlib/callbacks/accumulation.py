@@ -9,7 +9,8 @@ rescaled to its own sample count, as is a group whose last batch is smaller.
 Schedulers and the LR finder count optimizer steps: this callback sets
 ``skip_step`` on the batches that do not step, and divides the fit's
 ``n_steps`` in ``on_train_begin``. A loader without a length hides where an
-epoch ends, so there a group may span two epochs.
+epoch ends, so there a group may span two epochs, and a group still partial
+when training ends is not stepped.
 """
 
 from __future__ import annotations

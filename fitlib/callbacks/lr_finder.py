@@ -65,6 +65,8 @@ class LRFinder(Callback):
 
     order = 10
 
+    _saved: dict | None = None  # what on_train_begin saved, until restored
+
     def __init__(
         self,
         start_lr: float = 1e-7,
@@ -126,15 +128,20 @@ class LRFinder(Callback):
         return None
 
     def on_train_end(self, model: torch.nn.Module, opt: Any) -> None:
-        """Runs at the end (also after an error): keeps the sweep, restores."""
-        losses = self._read()
+        """Runs at the end (also after an error): restores, keeps the sweep."""
+        if self._saved is None:
+            return  # never started: an earlier callback's on_train_begin failed
+        try:
+            losses = self._read()
+        finally:  # whatever happens, the model and optimizer go back
+            _restore(self._saved, model, opt)
+            self._saved = None
         end = self._divergence(losses) if self.stop_div else len(losses)
         self.losses = losses[:end]
         self.lrs = [self.lr_at(i) for i in range(end)]
-        if self.lrs:
+        self._losses, self._floats = [], []
+        if any(math.isfinite(loss) for loss in self.losses):
             self.suggestions = suggest_lrs(self.lrs, self.losses)
-        _restore(self._saved, model, opt)
-        self._saved, self._losses, self._floats = None, [], []
 
     # -- divergence --------------------------------------------------------------
     def _diverged(self) -> bool:
@@ -177,31 +184,43 @@ def suggest_lrs(lrs: list[float], losses: list[float]) -> SuggestedLRs:
     if lowest - first < 1:  # too few points before the minimum for a slope
         return SuggestedLRs(float(lrs[lowest]), float(lrs[lowest] / 10))
     x, y = np.log(lrs[: lowest + 1]), np.asarray(losses[: lowest + 1])
-    steepest = first + int(np.argmin(np.gradient(y, x)[first:]))
+    slopes = np.gradient(y, x)[first:]
+    if np.isnan(slopes).all():  # stop_div=False keeps NaN losses
+        return SuggestedLRs(float(lrs[lowest]), float(lrs[lowest] / 10))
+    steepest = first + int(np.nanargmin(slopes))
     return SuggestedLRs(float(lrs[steepest]), float(lrs[lowest] / 10))
 
 
 def _snapshot(model: torch.nn.Module, opt: Any, data: Any) -> dict:
     """Copies of what a sweep changes: weights, optimizer state, RNG states
     (global ones, and the generators of the training loader's sampling)."""
-    cpu = torch.device("cpu")
     cuda = torch.cuda.is_initialized()
     generators = _generators(getattr(data, "train_dl", None))
     return {
         # On the host: a copy on the device could double a large model's memory.
-        "model": {
-            k: v.detach().to(cpu, copy=True) for k, v in model.state_dict().items()
-        },
-        "opt": copy.deepcopy(opt.state_dict()),
+        "model": _host_copy(model.state_dict()),
+        "opt": _host_copy(opt.state_dict()),
         "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state()),
         "cuda_rng": torch.cuda.get_rng_state_all() if cuda else None,
         "generators": [(g, g.get_state()) for g in generators],
     }
 
 
+def _host_copy(x: Any) -> Any:
+    """``x`` with every tensor copied to the host (dicts, lists, tuples kept)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _host_copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_host_copy(v) for v in x)
+    return copy.deepcopy(x)
+
+
 def _restore(saved: dict, model: torch.nn.Module, opt: Any) -> None:
     model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
+    opt.load_state_dict(saved["opt"])  # casts the state back to the params' devices
+    opt.stepped = None  # the sweep's steps are undone
     python, numpy, torch_cpu = saved["rng"]
     random.setstate(python)
     np.random.set_state(numpy)

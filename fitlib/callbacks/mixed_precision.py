@@ -1,12 +1,14 @@
 """``MixedPrecision``: the forward pass and the loss in float16 or bfloat16.
 
 Autocast is on from ``on_batch_begin`` to the loss (``on_backward_begin``),
-for validation batches too. With float16 a ``torch.amp.GradScaler`` scales
-the loss so small gradients do not underflow, and changes the scale as
-training goes (halved after a step with non-finite gradients, doubled after
-``growth_interval`` good ones). The gradients are unscaled in
-``on_backward_end`` before any later callback sees them (so clipping works),
-and a step whose gradients are not finite is skipped and counted.
+for validation batches too (``Learner.validate`` and ``get_preds`` run
+without callbacks, in float32, so their loss may differ in the last digits).
+With float16 a ``torch.amp.GradScaler`` scales the loss so small gradients
+do not underflow, and changes the scale as training goes (halved after a
+step with non-finite gradients, doubled after ``growth_interval`` good ones).
+The gradients are unscaled in ``on_backward_end`` before any later callback
+sees them (so clipping works), and a step whose gradients are not finite is
+skipped and counted.
 
 Speed: with an optimizer created with ``fused=True`` (SGD, Adam, AdamW) the
 skip happens inside the optimizer's kernel, on the device. Any other
@@ -125,10 +127,10 @@ class MixedPrecision(Callback):
     def on_train_end(self, opt: Any) -> None:
         """Runs at the end, also after an error: autocast off, scaler detached."""
         self._leave_autocast()
-        if self._unscaled:  # an error between unscale_ and update()
-            self._drop_unfinished_step()
         if getattr(opt, "grad_scaler", None) is self.scaler:
             opt.grad_scaler = None  # a later fit without this callback steps plainly
+        if self._unscaled:  # an error between unscale_ and update()
+            self._drop_unfinished_step()
 
     def _leave_autocast(self) -> None:
         if self._in_autocast:
@@ -184,7 +186,9 @@ class MixedPrecision(Callback):
         """Restores what ``state_dict`` returned."""
         self._skipped = int(state.get("skipped_steps", 0))
         scaler_state = state.get("scaler")
-        if scaler_state is not None and self.scaler is not None:
+        if scaler_state is None:  # saved before any scaler existed: none now
+            self.scaler, self._pending_state = None, None
+        elif self.scaler is not None:
             self.scaler.load_state_dict(scaler_state)
         else:
             self._pending_state = scaler_state

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fitlib.callbacks.schedule import ParamScheduler, _is_number, cosine
+from fitlib.callbacks.schedule import ParamScheduler, cosine
 from fitlib.optim import lr_per_group
 
 MaxLR = float | slice | Sequence[float]
@@ -95,6 +95,10 @@ class OneCycleScheduler(ParamScheduler):
 
 def _placeholder(pct: float) -> float:
     raise AssertionError("OneCycleScheduler builds its schedules at train begin")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_number(name: str, value: Any, example: str, low: float) -> None:

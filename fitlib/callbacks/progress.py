@@ -188,7 +188,7 @@ class _NoBar:
         self.total = None if total == "noinfer" else total
         self.comment, self.update_every = "", 0
 
-    def update(self, val: int) -> None:
+    def update(self, val: int | None = None) -> None:
         pass
 
     on_iter_end = on_interrupt = update
@@ -204,7 +204,7 @@ class _TableOnly:
     def __init__(self) -> None:
         self.main_bar, self.widths = _NoBar(), None
 
-    def update(self, val: int) -> None:
+    def update(self, val: int | None = None) -> None:
         pass
 
     def progress(self, gen: Any, total: Any = None) -> _NoBar:

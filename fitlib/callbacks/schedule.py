@@ -150,7 +150,9 @@ class ParamScheduler(Callback):
             raise ValueError(
                 f"{self.name}: the length of training is unknown: train_dl has "
                 "no length, so the number of optimizer steps is unknown. Fix: "
-                f"pass total_steps, e.g. {self.name}(..., total_steps=1000)."
+                "give the loader a __len__, or pass total_steps (the optimizer "
+                "steps the schedule spans), e.g. learn.fit_one_cycle(..., "
+                f"total_steps=1000) or {self.name}(..., total_steps=1000)."
             )
         missing = [name for name in self.schedules if not opt.has(name)]
         if missing:

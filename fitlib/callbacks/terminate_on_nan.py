@@ -123,19 +123,21 @@ class TerminateOnNaN(Callback):
         return True
 
     def _message(self) -> str:
-        if self.check_every == 0:
-            pace = "after every batch"
-        elif math.isinf(self.check_every):
-            pace = "at each epoch end"
-        else:
-            pace = f"every {self.check_every:g} s and at each epoch end"
-        return (
+        where = (
             f"fitlib: TerminateOnNaN: training loss was {self.nan_loss} at "
             f"iteration {self.nan_iteration} (epoch {self.nan_epoch}, batch "
             f"{self.nan_batch}); training stopped after iteration "
-            f"{self.stop_iteration}. The losses are checked {pace} (not every "
-            "batch, which would sync the device), so a few batches may have "
-            "trained after the bad one."
+            f"{self.stop_iteration}."
+        )
+        if self.check_every == 0:
+            return where + " (The losses are checked after every batch.)"
+        pace = "at each epoch end"
+        if not math.isinf(self.check_every):
+            pace = f"every {self.check_every:g} s and {pace}"
+        return (
+            f"{where} The losses are checked {pace}, not after every batch, "
+            "which would sync the device, so a few batches may have trained "
+            "after the bad one."
         )
 
 

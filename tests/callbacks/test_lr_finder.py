@@ -12,6 +12,7 @@ from fitlib import Callback, HPOptimizer, Learner
 from fitlib.callback import call_hook
 from fitlib.callbacks import GradientAccumulation, LRFinder
 from fitlib.callbacks.lr_finder import suggest_lrs
+from fitlib.metrics import accuracy
 
 
 def learner(tmp_path, n_train=100, **kwargs):
@@ -258,3 +259,62 @@ def test_a_loss_that_is_never_finite_is_a_clear_error(tmp_path):
 def test_bad_arguments_are_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LRFinder(**kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:MixedPrecision.float16. on the CPU")
+def test_lr_find_leaves_a_fresh_fp16_learner_with_a_fresh_loss_scale(tmp_path):
+    learn = learner(tmp_path, opt_func=torch.optim.SGD).to_fp16()
+    learn.lr_find(num_it=20, end_lr=1e4, stop_div=False)  # overflows: scale drops
+    mp = learn.callbacks[0]
+    assert mp.scaler is None and mp.state_dict() == {"skipped_steps": 0}
+    learn.fit(1, lr=1e-3)
+    assert mp.scaler.get_scale() == 2.0**16
+
+
+def test_a_sweep_that_is_never_finite_restores_the_weights_and_says_so(tmp_path):
+    model = make_model()
+    weights = clone_params(model)
+
+    def nan_loss(out, y):
+        return F.cross_entropy(out, y) * math.nan
+
+    learn = Learner(
+        make_data(), model, nan_loss, metrics=[], path=tmp_path, progress=False
+    )
+    with pytest.raises(RuntimeError, match="not finite from the first step"):
+        learn.lr_find(num_it=10, stop_div=False)
+    assert all(map(torch.equal, weights, model.parameters()))
+
+
+def test_lr_find_runs_with_callbacks_that_monitor_a_metric(tmp_path):
+    from fitlib.callbacks import ReduceLROnPlateau
+
+    plateau = ReduceLROnPlateau("accuracy")
+    learn = learner(tmp_path, callbacks=[plateau])
+    learn.metrics = [accuracy]
+    assert learn.lr_find(num_it=10).min_div10 > 0
+    assert plateau.reductions == []
+
+
+def test_after_lr_find_the_recorder_logs_this_fits_lr_before_its_first_step(
+    tmp_path,
+):
+    learn = learner(tmp_path, callbacks=[GradientAccumulation(3)])
+    learn.fit(1, lr=1e-2)
+    learn.lr_find(num_it=6, stop_div=False)
+    learn.fit(1, lr=1e-3)
+    assert learn.recorder.lrs[-7:] == [1e-3] * 7
+    learn.fit_one_cycle(1, max_lr=1e-2)  # its last step: 1e-2 / 25e4
+    learn.fit(1, lr=1e-3)
+    assert learn.recorder.lrs[-7:] == [1e-3] * 7
+
+
+def test_a_failure_before_the_sweep_started_is_not_hidden(tmp_path):
+    class Broken(Callback):
+        def on_train_begin(self):
+            raise OSError("disk full")
+
+    learn = learner(tmp_path, callbacks=[Broken()])
+    with pytest.raises(OSError, match="disk full") as info:
+        learn.lr_find(num_it=10)
+    assert not any("LRFinder" in note for note in getattr(info.value, "__notes__", []))

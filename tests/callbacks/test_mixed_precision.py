@@ -458,3 +458,22 @@ def test_an_unfused_optimizer_syncs_each_step_and_the_counter_sees_it(host_syncs
     few = syncs_during_fit(host_syncs, 64, "fp16", unfused)
     many = syncs_during_fit(host_syncs, 256, "fp16", unfused)
     assert many - few == 2 * (256 - 64) // 16  # one per extra step
+
+
+@pytest.mark.filterwarnings("ignore:MixedPrecision.float16. on the CPU")
+def test_after_an_error_mid_step_a_plain_fit_steps_without_the_old_scaler():
+    class Fails(Callback):
+        order = 0  # after MixedPrecision unscaled
+
+        def on_backward_end(self):
+            raise RuntimeError("boom")
+
+    model = mlp()
+    opt = sgd(model, fused=True)
+    data = make_data(shuffle=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(1, model, F.cross_entropy, opt, data, [MixedPrecision(), Fails()])
+    assert opt.grad_scaler is None
+    before = [p.detach().clone() for p in model.parameters()]
+    fit(1, model, F.cross_entropy, opt, data)  # float32 now
+    assert all(map(differ, before, model.parameters()))

@@ -133,6 +133,6 @@ def test_bad_arguments_are_errors(kwargs, message):
 
 def test_learner_rejects_bad_max_lr_before_training(tmp_path):
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
-    with pytest.raises(ValueError, match="lr must be a positive number"):
+    with pytest.raises(ValueError, match="max_lr must be > 0"):
         learn.fit_one_cycle(1, max_lr=0.0)
     assert learn.recorder.lrs == []

@@ -256,3 +256,9 @@ def test_without_a_terminal_only_the_aligned_table_is_printed(capsys):
     assert [line.split() for line in lines] == bar.rows
     assert lines[0].startswith("epoch     train_loss  valid_loss  accuracy  time")
     assert len(lines) == 3 and lines[1].index(bar.rows[1][1]) == len("epoch     ")
+
+
+def test_without_a_terminal_stopping_mid_epoch_closes_the_bars(capsys):
+    bar = ProgressBar(bars=False)  # the table-only bars, as in a log or CI
+    train([StopAfter(), bar], epochs=3)  # stops in the first epoch's 3rd batch
+    assert len(bar.rows) == 2 and "valid_loss" in capsys.readouterr().out
