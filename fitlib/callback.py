@@ -15,15 +15,23 @@ opt                 the optimizer (an ``HPOptimizer`` when ``fit`` drives it)
 data                the data object (``train_dl``, ``valid_dl``)
 loss_func           the loss function, called as ``loss_func(out, *targets)``
 metrics             the ``fitlib.metrics.Metrics`` of the run (``.names``)
-n_epochs            the number of epochs ``fit`` was asked for
+n_epochs            the number of epochs ``fit`` was asked for (None: as
+                    many as ``max_steps`` takes)
+max_steps           the step budget of the fit (``fit(max_steps=...)``), or
+                    None; training stops after that many optimizer steps
 n_steps             the number of optimizer steps the fit will take, when
-                    known: ``n_epochs * len(train_dl)``, or None for a loader
-                    without a length; callbacks that change it (gradient
+                    known: ``n_epochs * len(train_dl)``, at most
+                    ``max_steps``, or None for a loader without a length and
+                    no budget; callbacks that change it (gradient
                     accumulation) update it in ``on_train_begin``, so
                     schedulers (higher ``order``) read the true count
+step                optimizer steps done since ``fit`` began: the handler adds
+                    1 after ``on_step_end`` when the step ran (``skip_step``
+                    False), so ``on_batch_end`` counts this batch's step
 epoch               the current epoch, 0-based
 iteration           training batches finished since ``fit`` began (so, inside a
-                    batch's hooks, the 0-based index of that batch)
+                    batch's hooks, the 0-based index of that batch); a fit
+                    that begins with ``iteration > 0`` is a resumed one
 num_batch           the 0-based index of the batch within the current loader
 train               True for training batches, False for validation batches
 last_input          the current batch's inputs, on the model's device
@@ -90,9 +98,11 @@ STATE_KEYS = (
     "loss_func",
     "metrics",
     "n_epochs",
+    "max_steps",
     "n_steps",
     "epoch",
     "iteration",
+    "step",
     "num_batch",
     "train",
     "last_input",
@@ -286,9 +296,8 @@ class CallbackHandler:
             for ev in EVENTS
         }
         self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
-        self.state.update(epoch=0, iteration=0, num_batch=0, train=False)
+        self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=False)
         self.interrupted = False
-        self._n_smoothed = 0
         self._smooth_read = any(
             receives(getattr(cb, ev), "smooth_loss")
             for ev, hooks in self._hooks.items()
@@ -323,13 +332,17 @@ class CallbackHandler:
 
     # The per-batch methods below assign keys one by one and skip events that no
     # callback overrides: this is the hot path, run six times per batch.
-    def on_train_begin(self, n_epochs: int, **state: Any) -> None:
-        self.state.update(state, n_epochs=n_epochs, stop_training=False)
+    def on_train_begin(
+        self, n_epochs: int | None, max_steps: int | None = None, **state: Any
+    ) -> None:
+        self.state.update(state, n_epochs=n_epochs, max_steps=max_steps)
+        self.state.update(stop_training=False, n_steps=max_steps)
         try:
             n_steps = n_epochs * len(self.state["data"].train_dl)
-        except (AttributeError, TypeError):  # no data, or a loader without len
+        except (AttributeError, TypeError):  # no data, no epochs, or no len
             n_steps = None
-        self.state["n_steps"] = n_steps
+        if n_steps is not None:
+            self.state["n_steps"] = min(n_steps, max_steps or n_steps)
         self("on_train_begin")
 
     def on_epoch_begin(self) -> None:
@@ -367,6 +380,8 @@ class CallbackHandler:
     def on_step_end(self) -> bool:
         if self._hooks["on_step_end"]:
             self("on_step_end")
+        if not self.state["skip_step"]:
+            self.state["step"] += 1
         return self.state["skip_zero"]
 
     def on_batch_end(self, loss: torch.Tensor) -> bool:
@@ -376,27 +391,33 @@ class CallbackHandler:
         train = state["train"]
         if train:
             if self._smooth_read:
-                state["smooth_loss"] = self._smooth(state["smooth_loss"], loss)
+                n = state["iteration"] + 1  # smoothed losses: also after a resume
+                state["smooth_loss"] = self._smooth(state["smooth_loss"], loss, n)
             # The output's graph would live until the next forward otherwise.
             state["last_output"] = _detached(state["last_output"])
         if self._hooks["on_batch_end"]:
             self("on_batch_end")
         if train:
             state["iteration"] += 1
+            budget = state["max_steps"]
+            if budget is not None and state["step"] >= budget:
+                state["stop_training"] = True
         state["num_batch"] += 1
         if self.interrupted:
             raise KeyboardInterrupt("training stopped after the batch in progress")
         # stop_training ends the training loader; validation still runs once.
         return state["stop_epoch"] or (train and state["stop_training"])
 
-    def _smooth(self, smooth: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _smooth(
+        smooth: torch.Tensor | None, loss: torch.Tensor, n: int
+    ) -> torch.Tensor:
         # A debiased moving average, avg_n / (1 - beta**n), in one device op:
         # it is a lerp towards the new loss with weight (1-beta) / (1-beta**n).
-        self._n_smoothed += 1
         loss = loss if loss.dtype == torch.float32 else loss.float()
         if smooth is None:
             return loss
-        weight = (1 - SMOOTH_BETA) / (1 - SMOOTH_BETA**self._n_smoothed)
+        weight = (1 - SMOOTH_BETA) / (1 - SMOOTH_BETA**n)
         return torch.lerp(smooth, loss, weight)
 
     def on_epoch_end(self, val_metrics: list[torch.Tensor] | None) -> bool:

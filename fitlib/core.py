@@ -7,6 +7,7 @@ other feature is a callback (see ``fitlib.callback``).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,30 +23,60 @@ LossFunc = Callable[..., torch.Tensor]
 
 
 def fit(
-    epochs: int,
+    epochs: int | None,
     model: nn.Module,
     loss_func: LossFunc,
     opt: Any,
     data: Any,
     callbacks: Iterable[Callback] | None = None,
     metrics: list | None = None,
+    max_steps: int | None = None,
 ) -> None:
     """Trains ``model`` for ``epochs`` epochs, validating after each.
 
     Args:
-        epochs: number of epochs (a positive int).
+        epochs: number of epochs (a positive int), or None to train until
+            ``max_steps``.
         model: the model; batches are moved to the device of its parameters.
         loss_func: called as ``loss_func(output, *targets)``; returns a scalar.
         opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one).
         data: an object with ``train_dl`` and optionally ``valid_dl``.
         callbacks: ``Callback`` instances, run in ``order``.
         metrics: computed over the validation set each epoch.
+        max_steps: stop after this many optimizer steps (across epochs; the
+            epoch in progress still validates), or None.
 
     Example:
         >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
         >>> fit(3, model, F.cross_entropy, opt, DataBunch(train_dl, valid_dl))
     """
-    device = _check_fit_args(epochs, model, loss_func, data)
+    for _ in iter_fit(
+        epochs, model, loss_func, opt, data, callbacks, metrics, max_steps
+    ):
+        pass
+
+
+def iter_fit(
+    epochs: int | None,
+    model: nn.Module,
+    loss_func: LossFunc,
+    opt: Any,
+    data: Any,
+    callbacks: Iterable[Callback] | None = None,
+    metrics: list | None = None,
+    max_steps: int | None = None,
+) -> Iterator[dict]:
+    """The training loop, one batch at a time: ``fit`` drains it.
+
+    Yields the handler's state after each training batch (read it, do not keep
+    it). Closing the generator (``break`` out of a ``for``) ends training
+    cleanly: ``on_train_end(None)`` runs. Arguments as for ``fit``.
+
+    Example:
+        >>> for state in iter_fit(None, model, loss_func, opt, data, max_steps=50):
+        ...     if state["step"] % 10 == 0: print(state["step"])
+    """
+    device = _check_fit_args(epochs, max_steps, model, loss_func, data)
     opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
     opt.stepped = None  # no step of this fit yet (the Recorder reads it)
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
@@ -55,20 +86,25 @@ def fit(
     exception = None
     try:
         with cb_handler.deferred_interrupt():
-            cb_handler.on_train_begin(epochs, **state)
-            for _ in range(cb_handler.state["epoch"], epochs):
+            cb_handler.on_train_begin(epochs, max_steps, **state)
+            for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
                 model.train()
-                cb_handler.on_epoch_begin()
-                for xb, yb in batches(data.train_dl, device, "train_dl"):
+                cb_handler.on_epoch_begin()  # a callback may swap state["data"]
+                train_dl = cb_handler.state["data"].train_dl
+                for xb, yb in batches(train_dl, device, "train_dl"):
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
                     loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
-                    if cb_handler.on_batch_end(loss):
+                    stop = cb_handler.on_batch_end(loss)
+                    yield cb_handler.state
+                    if stop:
                         break
                 results = None  # [valid_loss, *metrics] when validation runs
                 if valid_dl is not None and not cb_handler.state["skip_validate"]:
                     results = validate(model, valid_dl, loss_func, cb_handler, metrics)
                 if cb_handler.on_epoch_end(results):
                     break
+    except GeneratorExit:  # the consumer stopped iterating: a clean end
+        raise
     except BaseException as e:
         exception = e
         raise
@@ -310,11 +346,22 @@ def len_or_none(dl: Any) -> int | None:
 
 
 # -- checks before training ----------------------------------------------------
-def _check_fit_args(epochs: Any, model: Any, loss_func: Any, data: Any) -> torch.device:
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+def _check_fit_args(
+    epochs: Any, max_steps: Any, model: Any, loss_func: Any, data: Any
+) -> torch.device:
+    for name, value in (("epochs", epochs), ("max_steps", max_steps)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
+            raise ValueError(
+                f"{name} must be a positive int; got {value!r} "
+                f"({type(value).__name__}). Fix: pass e.g. {name}=3."
+            )
+    if epochs is None and max_steps is None:
         raise ValueError(
-            f"epochs must be a positive int; got {epochs!r} "
-            f"({type(epochs).__name__}). Fix: pass e.g. epochs=3."
+            "fit needs a length: got epochs=None and max_steps=None. Fix: pass "
+            "epochs (e.g. 3), max_steps (e.g. 1000), or both (the first reached "
+            "ends training)."
         )
     check_model(model, loss_func)
     if not any(p.requires_grad for p in model.parameters()):

@@ -117,12 +117,14 @@ class Learner(TrainingShortcuts):
     # -- training --------------------------------------------------------------
     def fit(
         self,
-        epochs: int,
+        epochs: int | None,
         lr: LR = 1e-3,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
+        max_steps: int | None = None,
     ) -> None:
-        """Trains for ``epochs`` epochs at learning rate ``lr``.
+        """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps, the
+        first reached; ``epochs=None`` trains until ``max_steps``) at ``lr``.
 
         ``lr`` may be a float, one value per layer group, or a ``slice``:
         ``slice(lo, hi)`` spreads rates geometrically from the first group to
@@ -138,6 +140,7 @@ class Learner(TrainingShortcuts):
             self.data,
             callbacks=self._callbacks(callbacks),
             metrics=self.metrics,
+            max_steps=max_steps,
         )
 
     def create_opt(self, lr: LR, wd: float | None = None) -> HPOptimizer:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import closing
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,7 +25,24 @@ from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
-from fitlib.core import fit, len_or_none
+from fitlib.core import fit, iter_fit, len_or_none, to_floats
+from fitlib.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Where training stands, as ``Learner.fit_iter`` yields it.
+
+    ``loss`` is the training loss of the latest batch; ``metrics`` maps
+    ``valid_loss`` and each metric to its value after the latest epoch (empty
+    before the first); ``elapsed`` counts seconds since training began.
+    """
+
+    step: int
+    epoch: int
+    loss: float
+    metrics: dict[str, float]
+    elapsed: float
 
 
 class TrainingShortcuts:
@@ -149,6 +169,52 @@ class TrainingShortcuts:
             )
         return finder.suggestions
 
+    def fit_iter(
+        self,
+        n_steps: int,
+        every: int = 25,
+        lr: MaxLR = 1e-3,
+        wd: float | None = None,
+        callbacks: Iterable[Callback] | None = None,
+    ) -> Iterator[Snapshot]:
+        """Trains for ``n_steps`` optimizer steps, yielding a ``Snapshot`` every
+        ``every`` steps (and after the last); the same loop as ``fit``.
+
+        Breaking out of the ``for`` ends training cleanly (every callback's
+        ``on_train_end`` runs). Each snapshot reads the loss from the device:
+        one sync per ``every`` steps.
+
+        Example:
+            >>> for snap in learn.fit_iter(n_steps=500, every=100):
+            ...     print(snap.step, snap.loss)
+            ...     if snap.loss < 0.1:
+            ...         break
+        """
+        _check_every(every)
+        self.create_opt(lr, wd)
+        steps = iter_fit(
+            None,
+            self.model,
+            self.loss_func,
+            self.opt,
+            self.data,
+            callbacks=self._callbacks(callbacks),
+            metrics=self.metrics,
+            max_steps=n_steps,
+        )
+        t0, names = time.perf_counter(), ["valid_loss", *Metrics(self.metrics).names]
+        with closing(steps):
+            for state in steps:
+                step = state["step"]
+                due = step % every == 0 or step >= n_steps
+                if state["skip_step"] or not due:  # no step this batch, or not due
+                    continue
+                values = to_floats([state["last_loss"], *(state["last_metrics"] or [])])
+                metrics = dict(zip(names, values[1:], strict=False))
+                yield Snapshot(
+                    step, state["epoch"], values[0], metrics, time.perf_counter() - t0
+                )
+
     def _sweep_epochs(self, num_it: int) -> int:
         """Epochs enough for ``num_it`` optimizer steps."""
         n_batches = len_or_none(self.data.train_dl)
@@ -198,6 +264,14 @@ def _is_mp(cb: Callback) -> bool:
 
 def _states(callbacks: list[Callback]) -> list[dict]:
     return [copy.deepcopy(cb.state_dict()) for cb in callbacks]
+
+
+def _check_every(every: object) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"every must be a positive int (optimizer steps between snapshots); "
+            f"got {every!r}. Fix: e.g. every=25."
+        )
 
 
 def _check_fraction(name: str, value: Any) -> None:

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
 from fitlib.callbacks import ProgressBar, Recorder
-from fitlib.core import batch_size, loss_batch, to_device
+from fitlib.core import batch_size, iter_fit, loss_batch, to_device
 from fitlib.metrics import accuracy
 
 OPTIMIZERS = {
@@ -276,3 +276,79 @@ def test_a_model_with_nothing_to_train_is_refused_before_training():
     model = make_model().requires_grad_(False)
     with pytest.raises(ValueError, match=r"no trainable parameter.*unfreeze"):
         _fit(model=model)
+
+
+# -- step budgets and the iterator ----------------------------------------------
+class Steps(Callback):
+    """Keeps the state's step and iteration at each training batch's end."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_batch_end(self, train, step, iteration):
+        if train:
+            self.seen.append((iteration, step))
+
+
+def test_step_counts_optimizer_steps_and_max_steps_stops_across_epochs():
+    from fitlib.callbacks import GradientAccumulation
+
+    steps, rec = Steps(), Recorder()
+    _fit(None, callbacks=[steps, rec, GradientAccumulation(2)], max_steps=5)
+    # 7 batches an epoch; groups of 2 and a ragged one: 4 steps an epoch.
+    assert [s for _, s in steps.seen] == [0, 1, 1, 2, 2, 3, 4, 4, 5]
+    assert rec.epochs == [0, 1]  # the epoch in progress still validated
+
+
+def test_max_steps_and_epochs_whichever_comes_first():
+    steps = Steps()
+    _fit(2, callbacks=[steps], max_steps=100)
+    assert len(steps.seen) == 14
+    steps = Steps()
+    _fit(5, callbacks=[steps], max_steps=3)
+    assert steps.seen[-1] == (2, 3)
+
+
+@pytest.mark.parametrize("max_steps", [0, -1, 2.0, True])
+def test_max_steps_must_be_a_positive_int(max_steps):
+    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+        _fit(1, max_steps=max_steps)
+
+
+def test_fit_needs_epochs_or_max_steps():
+    with pytest.raises(ValueError, match="epochs=None and max_steps=None"):
+        _fit(None)
+
+
+def test_n_steps_is_capped_by_max_steps():
+    seen = {}
+
+    class NSteps(Callback):
+        def on_train_begin(self, n_steps, max_steps):
+            seen.update(n_steps=n_steps, max_steps=max_steps)
+
+    _fit(3, callbacks=[NSteps()], max_steps=10)
+    assert seen == {"n_steps": 10, "max_steps": 10}
+    _fit(3, callbacks=[NSteps()])
+    assert seen == {"n_steps": 21, "max_steps": None}
+
+
+def test_iter_fit_yields_after_each_training_batch_and_ends_cleanly_on_break():
+    ends = []
+
+    class End(Callback):
+        def on_train_end(self, exception):
+            ends.append(exception)
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    gen = iter_fit(3, model, F.cross_entropy, opt, make_data(), [End()])
+    seen = []
+    for state in gen:
+        seen.append((state["iteration"], state["train"]))
+        if len(seen) == 9:
+            break
+    assert seen == [(i, True) for i in range(1, 10)]
+    assert ends == [] or ends == [None]
+    gen.close()  # the for loop's break leaves it suspended until collected
+    assert ends == [None]

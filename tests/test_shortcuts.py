@@ -68,3 +68,38 @@ def test_fractions_outside_zero_one_are_errors(tmp_path, bad):
     with pytest.raises(ValueError, match=r"pct_warmup must be a fraction"):
         learn.fit_warmup_cos(1, lr=1e-3, pct_warmup=bad)
     assert learn.recorder.lrs == []
+
+
+def test_fit_iter_yields_snapshots_every_n_steps_and_after_the_last(tmp_path):
+    learn = learner(tmp_path)  # 10 batches an epoch
+    snaps = list(learn.fit_iter(n_steps=23, every=10))
+    assert [s.step for s in snaps] == [10, 20, 23]
+    assert [s.epoch for s in snaps] == [0, 1, 2]
+    assert snaps[0].metrics == {}  # no epoch has ended before step 10's batch
+    assert set(snaps[1].metrics) == {"valid_loss", "accuracy"}
+    assert snaps[1].metrics["valid_loss"] == learn.recorder.valid_losses[0]
+    assert snaps[-1].loss == learn.recorder.losses[22]
+    assert snaps[0].elapsed <= snaps[1].elapsed <= snaps[2].elapsed
+    assert len(learn.recorder.losses) == 23
+
+
+def test_breaking_out_of_fit_iter_ends_training_cleanly(tmp_path):
+    ends = []
+
+    class End(Callback):
+        def on_train_end(self, exception):
+            ends.append(exception)
+
+    learn = learner(tmp_path, callbacks=[End()])
+    for snap in learn.fit_iter(n_steps=100, every=5):
+        if snap.step == 15:
+            break
+    assert ends == [None] and len(learn.recorder.losses) == 15
+    learn.fit(1)  # the learner trains on normally afterwards
+    assert len(learn.recorder.losses) == 25
+
+
+@pytest.mark.parametrize("every", [0, -5, 2.5, True])
+def test_fit_iter_every_must_be_a_positive_int(tmp_path, every):
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        next(learner(tmp_path).fit_iter(n_steps=10, every=every))

@@ -47,13 +47,23 @@ class GradientAccumulation(Callback):
         self._count = self._samples = self._group = self._first = 0
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, model: torch.nn.Module, data: Any, n_epochs: int) -> dict:
+    def on_train_begin(
+        self,
+        model: torch.nn.Module,
+        data: Any,
+        n_epochs: int | None,
+        max_steps: int | None,
+        iteration: int,
+    ) -> dict:
         """Runs before training: clears stale gradients, counts the steps."""
-        model.zero_grad(set_to_none=True)  # an interrupted group's gradients
-        self._count = self._samples = 0
+        if iteration == 0:  # a resumed fit keeps its loaded position
+            model.zero_grad(set_to_none=True)  # an interrupted group's gradients
+            self._count = self._samples = 0
         self._len = len_or_none(data.train_dl)
-        steps = None if self._len is None else math.ceil(self._len / self.n_steps)
-        return {"n_steps": None if steps is None else n_epochs * steps}
+        if self._len is None or n_epochs is None:
+            return {"n_steps": max_steps}
+        steps = n_epochs * math.ceil(self._len / self.n_steps)
+        return {"n_steps": min(steps, max_steps or steps)}
 
     def on_backward_begin(
         self, last_loss: torch.Tensor, last_target: Any, last_input: Any, num_batch: int

@@ -70,7 +70,7 @@ class OneCycleScheduler(ParamScheduler):
         # The lr schedule needs the number of parameter groups: built later.
         super().__init__({"lr": _placeholder}, total_steps)
 
-    def on_train_begin(self, opt: Any, n_steps: int | None, epoch: int) -> None:
+    def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
         """Runs before training: builds the schedules for this optimizer."""
         top = lr_per_group(self.max_lr, len(opt.param_groups))
         low = [lr / self.div_factor for lr in top]
@@ -83,7 +83,7 @@ class OneCycleScheduler(ParamScheduler):
                 (warm, cosine(first, peak)),
                 (cool, cosine(peak, first)),
             ]
-        super().on_train_begin(opt, n_steps, epoch)
+        super().on_train_begin(opt, n_steps, iteration)
 
     def __repr__(self) -> str:
         return (

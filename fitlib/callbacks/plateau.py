@@ -33,8 +33,8 @@ class ReduceLROnPlateau(Callback):
     as it was if that changes it by less than ``EPS`` = 1e-8, as torch does)
     and the next ``cooldown`` epochs count no bad epochs. An epoch without validation
     (``last_metrics`` None) changes nothing, unless monitoring ``train_loss``.
-    The state resets when a fit starts at epoch 0; a resumed fit (started at a
-    later epoch) keeps what ``load_state_dict`` restored.
+    The state resets when a fit starts; a resumed fit (one that begins with
+    ``iteration > 0``) keeps what ``load_state_dict`` restored.
 
     Args:
         monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
@@ -92,11 +92,11 @@ class ReduceLROnPlateau(Callback):
         self.reductions: list[int] = []
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, epoch: int, opt: Any, metrics: Any, data: Any) -> None:
+    def on_train_begin(self, iteration: int, opt: Any, metrics: Any, data: Any) -> None:
         """Runs before training: checks the monitor and min_lr; a new fit resets."""
         self.monitor.start(metrics, data)
         self._min_lrs(len(opt.param_groups))  # raises now, not at the 1st reduction
-        if epoch == 0:
+        if iteration == 0:  # a resumed fit keeps what load_state_dict restored
             self.reset()
 
     def on_batch_end(

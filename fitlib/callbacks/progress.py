@@ -59,10 +59,22 @@ class ProgressBar(Callback):
         self._mb_open = False
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, n_epochs: int, epoch: int, metrics: Any) -> None:
+    def on_train_begin(
+        self,
+        n_epochs: int | None,
+        n_steps: int | None,
+        data: Any,
+        epoch: int,
+        metrics: Any,
+    ) -> None:
         """Runs before training: opens the master bar, writes the header."""
         self.rows, self.pb, self._phase = [], None, None
         self._names = list(getattr(metrics, "names", []))
+        # Bounded by steps (n_epochs None): the epochs those steps take at least.
+        batches = len_or_none(getattr(data, "train_dl", None))
+        if n_epochs is None:
+            n_epochs = math.ceil(n_steps / batches) if n_steps and batches else 1
+        self._n_epochs = n_epochs
         self.mb = _master_bar(n_epochs, self.bars)
         # Redraws are paced here (per epoch, or by `refresh`): fastprogress's
         # own pacing by item count would drop some of them.
@@ -105,14 +117,12 @@ class ProgressBar(Callback):
         if now - self._last_draw >= self.refresh:
             self._draw(now)
 
-    def on_epoch_end(
-        self, epoch: int, n_epochs: int, last_metrics: list | None
-    ) -> None:
+    def on_epoch_end(self, epoch: int, last_metrics: list | None) -> None:
         """Runs after validation: closes the child bar, writes the epoch's row."""
         self._close_bar()
         self._write(self._row(epoch, last_metrics))
-        self.mb.update(epoch + 1)
-        self._mb_open = epoch + 1 < n_epochs
+        self.mb.update(min(epoch + 1, self._n_epochs))
+        self._mb_open = epoch + 1 < self._n_epochs
 
     def on_train_end(self, exception: BaseException | None) -> None:
         """Runs at the end, also after an error: closes whatever bar is open."""

@@ -146,15 +146,18 @@ class Recorder(Callback):
         return len(self._lrs) + len(self._pending)
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, metrics: Any) -> None:
+    def on_train_begin(self, metrics: Any, iteration: int) -> None:
         """Runs before training: takes the metric names of this fit."""
         self._flush()  # an interrupted fit's steps, before the device may change
-        self._smoother = LossSmoother()  # each fit starts its own, as the loop does
+        if iteration == 0:  # each fit smooths afresh, as the loop does
+            self._smoother = LossSmoother()  # (a resumed one continues)
         self.metric_names = list(getattr(metrics, "names", []))
 
-    def on_epoch_begin(self) -> None:
+    def on_epoch_begin(self, num_batch: int) -> None:
         """Runs at the start of each epoch: starts its clock."""
-        self._epoch_first, self._t0 = self._n_steps, time.perf_counter()
+        # num_batch > 0: an epoch resumed part way; its first steps are recorded.
+        self._epoch_first = self._n_steps - num_batch
+        self._t0 = time.perf_counter()
 
     def on_batch_end(
         self,
@@ -210,6 +213,7 @@ class Recorder(Callback):
         for key in _NESTED_KEYS:
             state[key] = [list(v) for v in getattr(self, key)]
         state["metric_names"] = list(self.metric_names)
+        state["smoother"] = [self._smoother.avg, self._smoother.n]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -234,6 +238,8 @@ class Recorder(Callback):
         for key in _NESTED_KEYS:
             setattr(self, key, [list(v) for v in state[key]])
         self.metric_names = list(state["metric_names"])
+        if "smoother" in state:  # the moving average of the fit in progress
+            self._smoother.avg, self._smoother.n = state["smoother"]
 
     # -- reading ---------------------------------------------------------------
     def epoch_table(self) -> list[dict]:

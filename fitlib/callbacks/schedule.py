@@ -141,9 +141,9 @@ class ParamScheduler(Callback):
         self.total_steps = total_steps
         self.step, self.total = 0, 0
 
-    def on_train_begin(self, opt: Any, n_steps: int | None, epoch: int) -> None:
+    def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
         """Runs before training: checks the optimizer, sets the first values."""
-        if epoch == 0:  # a resumed fit (epoch > 0) keeps its loaded position
+        if iteration == 0:  # a resumed fit keeps its loaded position
             self.step = 0
         self.total = self.total_steps or n_steps
         if self.total is None:

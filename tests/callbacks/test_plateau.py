@@ -20,9 +20,15 @@ def make_opt(lrs=(0.1,)):
     return HPOptimizer(groups, torch.optim.SGD, lr=list(lrs))
 
 
-def begin(cb, opt, metrics=(accuracy,), epoch=0):
+def begin(cb, opt, metrics=(accuracy,), epoch=0, batches_per_epoch=7):
+    """on_train_begin of a fit starting at ``epoch`` (> 0: a resumed one)."""
     call_hook(
-        cb, "on_train_begin", epoch=epoch, opt=opt, metrics=Metrics(list(metrics))
+        cb,
+        "on_train_begin",
+        epoch=epoch,
+        iteration=epoch * batches_per_epoch,
+        opt=opt,
+        metrics=Metrics(list(metrics)),
     )
 
 

@@ -105,7 +105,7 @@ def test_state_dict_restores_the_position():
     run(sched, sgd(), total=3)
     resumed, opt = ParamScheduler({"lr": linear(1.0, 0.0)}), sgd()
     resumed.load_state_dict(sched.state_dict())
-    call_hook(resumed, "on_train_begin", opt=opt, n_steps=5, epoch=1)
+    call_hook(resumed, "on_train_begin", opt=opt, n_steps=5, iteration=3)
     assert resumed.step == 3 and opt.lr == pytest.approx(0.25)
 
 
