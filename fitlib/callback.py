@@ -15,6 +15,8 @@ opt                 the optimizer (an ``HPOptimizer`` when ``fit`` drives it)
 data                the data object (``train_dl``, ``valid_dl``)
 loss_func           the loss function, called as ``loss_func(out, *targets)``
 metrics             the ``fitlib.metrics.Metrics`` of the run (``.names``)
+callbacks           the fit's callbacks, sorted by ``order`` (read only: a
+                    checkpoint saves and restores their ``state_dict``)
 n_epochs            the number of epochs ``fit`` was asked for (None: as
                     many as ``max_steps`` takes)
 max_steps           the step budget of the fit (``fit(max_steps=...)``), or
@@ -53,7 +55,8 @@ stop_epoch          set True to end the current loader after this batch: the
                     epoch's training, or its validation
 stop_training       set True to end training: after this training batch (the
                     epoch's validation still runs unless ``skip_validate``),
-                    or after this epoch
+                    after this epoch, or, set in ``on_train_begin`` or
+                    ``on_epoch_begin``, before the next epoch starts
 skip_bwd            set True in ``on_backward_begin`` to skip ``backward()``
 skip_step           set True by ``on_backward_end`` to skip ``opt.step()``
 skip_zero           set True by ``on_step_end`` to keep the gradients
@@ -97,6 +100,7 @@ STATE_KEYS = (
     "data",
     "loss_func",
     "metrics",
+    "callbacks",
     "n_epochs",
     "max_steps",
     "n_steps",
@@ -297,6 +301,7 @@ class CallbackHandler:
         }
         self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
         self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=False)
+        self.state["callbacks"] = list(self.callbacks)
         self.interrupted = False
         self._smooth_read = any(
             receives(getattr(cb, ev), "smooth_loss")
@@ -345,9 +350,15 @@ class CallbackHandler:
             self.state["n_steps"] = min(n_steps, max_steps or n_steps)
         self("on_train_begin")
 
-    def on_epoch_begin(self) -> None:
+    def on_epoch_begin(self) -> bool:
+        """Returns True when no epoch must start (``stop_training`` is set)."""
+        # train=True: the epoch's training batches keep a num_batch that a
+        # hook sets here (a checkpoint resuming part way through the epoch).
         self.state.update(num_batch=0, stop_epoch=False, skip_validate=False)
-        self("on_epoch_begin")
+        self.state["train"] = True
+        if not self.state["stop_training"]:
+            self("on_epoch_begin")
+        return self.state["stop_training"]
 
     def on_batch_begin(self, xb: Any, yb: Any, train: bool = True) -> tuple:
         state = self.state

@@ -89,8 +89,9 @@ def iter_fit(
             cb_handler.on_train_begin(epochs, max_steps, **state)
             for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
                 model.train()
-                cb_handler.on_epoch_begin()  # a callback may swap state["data"]
-                train_dl = cb_handler.state["data"].train_dl
+                if cb_handler.on_epoch_begin():  # nothing (more) to train
+                    break
+                train_dl = cb_handler.state["data"].train_dl  # a callback may swap it
                 for xb, yb in batches(train_dl, device, "train_dl"):
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
                     loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)

@@ -5,6 +5,9 @@ Order of the built-in callbacks (lower runs first within an event):
 ====================  =====  ================================================
 callback              order  why there
 ====================  =====  ================================================
+Checkpoint            -100   first: restores before the others begin; saves
+                             at the start of a batch or epoch, when the
+                             others have finished the previous one
 GradientAccumulation   -30   first: decides whether this batch steps
                              (``skip_step``) and scales the loss; sets the
                              fit's ``n_steps`` before schedulers read it
@@ -25,6 +28,7 @@ ProgressBar             60   after Recorder: shows what the epoch ended with
 """
 
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
@@ -43,6 +47,7 @@ from fitlib.callbacks.schedule import (
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 
 __all__ = [
+    "Checkpoint",
     "GradientAccumulation",
     "GradientClipping",
     "LRFinder",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import time
 from typing import Any, NamedTuple
 
@@ -24,6 +23,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.core import to_floats
+from fitlib.rng import get_rng_state, set_rng_state
 
 DIVERGED = 4.0  # the smoothed loss, as a multiple of its best, that ends a sweep
 
@@ -193,16 +193,14 @@ def suggest_lrs(lrs: list[float], losses: list[float]) -> SuggestedLRs:
 
 def _snapshot(model: torch.nn.Module, opt: Any, data: Any) -> dict:
     """Copies of what a sweep changes: weights, optimizer state, RNG states
-    (global ones, and the generators of the training loader's sampling)."""
-    cuda = torch.cuda.is_initialized()
-    generators = _generators(getattr(data, "train_dl", None))
+    (global ones, and the generators of the training loader's order)."""
+    loader = getattr(data, "train_dl", None)
     return {
         # On the host: a copy on the device could double a large model's memory.
         "model": _host_copy(model.state_dict()),
         "opt": _host_copy(opt.state_dict()),
-        "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state()),
-        "cuda_rng": torch.cuda.get_rng_state_all() if cuda else None,
-        "generators": [(g, g.get_state()) for g in generators],
+        "rng": get_rng_state(loader),
+        "loader": loader,
     }
 
 
@@ -221,26 +219,7 @@ def _restore(saved: dict, model: torch.nn.Module, opt: Any) -> None:
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])  # casts the state back to the params' devices
     opt.stepped = None  # the sweep's steps are undone
-    python, numpy, torch_cpu = saved["rng"]
-    random.setstate(python)
-    np.random.set_state(numpy)
-    torch.set_rng_state(torch_cpu)
-    if saved["cuda_rng"] is not None:
-        torch.cuda.set_rng_state_all(saved["cuda_rng"])
-    for generator, state in saved["generators"]:
-        generator.set_state(state)
-
-
-def _generators(dl: Any) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects that a DataLoader's shuffling draws from."""
-    found: dict[int, torch.Generator] = {}
-    sampler = getattr(dl, "sampler", None)
-    batch_sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None)
-    for owner in (dl, sampler, batch_sampler):
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator):
-            found[id(g)] = g
-    return list(found.values())
+    set_rng_state(saved["rng"], saved["loader"])
 
 
 def _check_args(

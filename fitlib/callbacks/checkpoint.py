@@ -1,0 +1,351 @@
+"""``Checkpoint``: atomic saves of the whole training state, and exact resume.
+
+A checkpoint holds the model, the optimizer (with its hyper-parameters), the
+state of every callback of the fit (schedulers, Recorder history, early
+stopping, loss scaler...), the RNG states (python, numpy, torch, CUDA, the
+loader's generators) and the loop's position: epoch, batch within the epoch,
+iteration and optimizer step. It also keeps the RNG states of the start of
+the epoch, which decide the order of its batches. (``smooth_loss``, a display
+value, restarts its average at a resume; the Recorder's smoothed history
+continues exactly.)
+
+Resuming (``resume=True``, the default) finds the newest checkpoint in
+``dirpath`` when the fit begins. For a checkpoint taken inside an epoch it
+sets the RNG states of that epoch's start, draws the batches again and skips
+those already trained on (so shuffling, and augmentation in DataLoader
+workers, replay exactly), then sets the RNG states of the checkpoint. The run
+then ends with the same weights, bit for bit, as a run that never stopped:
+
+- covered: shuffled DataLoaders (with or without ``generator=``, with or
+  without workers), dropout and any torch/numpy/python randomness in the
+  main process, the optimizer's state, schedulers, mixed precision's loss
+  scale, gradient accumulation (checkpoints fall between two steps), the
+  Recorder's history;
+- not covered: random augmentation that runs in the main process
+  (``num_workers=0``) *and* draws from its own generator object that fitlib
+  does not know; nondeterministic GPU kernels (set
+  ``torch.use_deterministic_algorithms(True)`` for bit-exact CUDA runs); a
+  loader without a length (there, ``every_n_steps`` is refused: resume at
+  epoch boundaries with ``every_n_epochs``); a different number of DataLoader
+  workers than the run that saved.
+
+Files are written atomically (temporary file, fsync, rename, fsync of the
+directory): killing the process at any moment leaves the previous checkpoint
+loadable. Files: ``checkpoint-<iteration>.pth`` (the newest ``keep_last``,
+counting files of earlier runs) and ``best.pth`` (with ``monitor``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fitlib.callback import Callback
+from fitlib.callbacks.monitor import Monitor
+from fitlib.core import len_or_none
+from fitlib.rng import get_rng_state, set_rng_state
+from fitlib.serialization import atomic_save, load_model_state, safe_load
+
+_NAME = re.compile(r"checkpoint-(\d+)\.pth")
+_DEFAULT = object()  # every_n_epochs left at its default
+
+
+class Checkpoint(Callback):
+    """Saves the training state regularly and resumes from the newest one.
+
+    Args:
+        dirpath: the directory of the checkpoints (created if missing).
+        every_n_epochs: save after every n epochs (default 1, unless
+            ``every_n_steps`` is given).
+        every_n_steps: save after every n optimizer steps instead.
+        keep_last: how many regular checkpoints to keep (>= 1), counting
+            files that earlier runs left in ``dirpath``.
+        monitor: also keep the best checkpoint by this quantity
+            (``"valid_loss"``, a metric's name...) in ``best.pth``.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` for ``monitor``.
+        save_best: write ``best.pth`` (with ``monitor``).
+        resume: continue from the newest checkpoint in ``dirpath``; if it
+            marks training as finished, say so and train nothing.
+
+    Example:
+        >>> ckpt = Checkpoint("runs/exp1", every_n_steps=500)
+        >>> learn.fit_one_cycle(10, 1e-2, callbacks=[ckpt])  # rerun to resume
+    """
+
+    order = -100  # first: restores before others begin; saves before they act
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        every_n_epochs: Any = _DEFAULT,
+        every_n_steps: int | None = None,
+        keep_last: int = 3,
+        monitor: str | None = None,
+        mode: str = "auto",
+        save_best: bool = True,
+        resume: bool = True,
+    ) -> None:
+        if every_n_epochs is _DEFAULT:
+            every_n_epochs = None if every_n_steps is not None else 1
+        _check_interval(every_n_epochs, every_n_steps)
+        if (
+            isinstance(keep_last, bool)
+            or not isinstance(keep_last, int)
+            or keep_last < 1
+        ):
+            raise ValueError(
+                f"keep_last must be an int >= 1 (checkpoints kept); got "
+                f"{keep_last!r}. Fix: e.g. keep_last=3."
+            )
+        self.dirpath = Path(dirpath)
+        _check_writable(self.dirpath)
+        self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
+        self.keep_last, self.save_best, self.resume = keep_last, save_best, resume
+        owner = "Checkpoint"
+        self.monitor = None if monitor is None else Monitor(monitor, mode, 0.0, owner)
+        self.saved: list[Path] = []  # what this fit wrote, oldest first
+        self._resume: dict | None = None  # a loaded checkpoint being resumed
+        self._due = False
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(
+        self, model: Any, opt: Any, data: Any, metrics: Any, callbacks: list
+    ) -> dict | None:
+        """Runs first: checks the directory; resumes from the newest checkpoint."""
+        _check_writable(self.dirpath)
+        if self.every_n_steps and len_or_none(data.train_dl) is None:
+            raise ValueError(
+                "Checkpoint(every_n_steps=...) needs a train_dl with a length, to "
+                "resume inside an epoch. Fix: give the loader a __len__, or use "
+                "every_n_epochs."
+            )
+        if self.monitor is not None:
+            self.monitor.start(metrics, data)
+        # The same objects all fit long: kept for the saves.
+        self._model, self._opt, self._loader = model, opt, data.train_dl
+        self._others = [cb for cb in callbacks if cb is not self]
+        self._due, self._resume, self._epoch_rng = False, None, None
+        _remove_temporaries(self.dirpath)
+        newest = self.checkpoints()[-1:] if self.resume else []
+        return self._load(newest[0]) if newest else None
+
+    def on_epoch_begin(
+        self, epoch: int, iteration: int, step: int, data: Any
+    ) -> dict | None:
+        """Runs first in each epoch: saves at an epoch boundary, or resumes."""
+        if self._resume is not None:
+            return self._resume_epoch(data)
+        every = self.every_n_epochs
+        if self._due or (every and epoch and epoch % every == 0):
+            self._save(_Position(epoch, 0, iteration, step))
+        self._epoch_rng = get_rng_state(self._loader)  # decides this epoch's order
+        return None
+
+    def on_batch_begin(
+        self, train: bool, epoch: int, num_batch: int, iteration: int, step: int
+    ) -> None:
+        """Runs first for each batch: restores RNG after a resume, or saves."""
+        if not train:
+            return
+        if self._resume is not None:  # the first batch after a mid-epoch resume
+            set_rng_state(self._resume["rng"], self._loader)
+            self._resume = None
+        elif self._due:  # after a step: no gradients are half accumulated
+            self._save(_Position(epoch, num_batch, iteration, step))
+
+    def on_step_end(self, skip_step: bool, step: int) -> None:
+        """Runs after each step: a checkpoint falls due every n steps."""
+        # The handler counts this step after the hooks: step + 1 steps are done.
+        if (
+            self.every_n_steps
+            and not skip_step
+            and (step + 1) % self.every_n_steps == 0
+        ):
+            self._due = True
+
+    def on_epoch_end(
+        self, epoch: int, iteration: int, step: int, last_metrics: Any, data: Any
+    ) -> dict | None:
+        """Runs after validation: keeps the best checkpoint; ends a resumed epoch."""
+        if self.monitor is not None and self.save_best:
+            value = self.monitor.read(last_metrics)
+            if value is not None and self.monitor.update(value):
+                where = _Position(epoch + 1, 0, iteration, step)
+                self._write(self.dirpath / "best.pth", where)
+        original = getattr(data, "resumed_from", None)
+        return {"data": original} if original is not None else None
+
+    def on_train_end(
+        self, exception: BaseException | None, epoch: int, iteration: int, step: int
+    ) -> None:
+        """Runs at the end: a final checkpoint marks a run that ended normally."""
+        if exception is None and getattr(self, "_model", None) is not None:
+            self._save(_Position(epoch, 0, iteration, step, finished=True))
+        self._model = self._opt = None  # no references kept between fits
+
+    # -- files -----------------------------------------------------------------
+    def checkpoints(self) -> list[Path]:
+        """The regular checkpoints in ``dirpath``, oldest first."""
+        found = [(int(m[1]), p) for p in self.dirpath.glob("checkpoint-*.pth")
+                 if (m := _NAME.fullmatch(p.name))]  # fmt: skip
+        return [p for _, p in sorted(found)]
+
+    def _save(self, where: _Position) -> None:
+        path = self.dirpath / f"checkpoint-{where.iteration:09d}.pth"
+        self._write(path, where)
+        self.saved.append(path)
+        self._due = False
+        for old in self.checkpoints()[: -self.keep_last]:
+            old.unlink(missing_ok=True)
+
+    def _write(self, path: Path, where: _Position) -> None:
+        atomic_save(
+            {
+                "fitlib_checkpoint": 1,
+                "model": self._model.state_dict(),
+                "opt": self._opt.state_dict(),
+                "callbacks": [[cb.name, cb.state_dict()] for cb in self._others],
+                "monitor": self.monitor.state_dict() if self.monitor else None,
+                "position": where._asdict(),
+                "rng": get_rng_state(self._loader),
+                # Inside an epoch: what decided its order, to draw it again.
+                "epoch_rng": self._epoch_rng if where.num_batch else None,
+            },
+            path,
+        )
+
+    # -- resuming --------------------------------------------------------------
+    def _load(self, path: Path) -> dict:
+        saved = safe_load(path, map_location="cpu")
+        if not isinstance(saved, dict) or saved.get("fitlib_checkpoint") != 1:
+            raise ValueError(
+                f"{str(path)!r} is not a fitlib Checkpoint file. Fix: move it out "
+                "of the checkpoint directory, or use another dirpath."
+            )
+        load_model_state(self._model, saved["model"], repr(str(path)))
+        self._opt.load_state_dict(saved["opt"])
+        _load_callbacks(self._others, saved["callbacks"], path)
+        if self.monitor is not None and saved["monitor"] is not None:
+            self.monitor.load_state_dict(saved["monitor"])
+        pos = saved["position"]
+        if pos["finished"]:
+            print(
+                f"fitlib: Checkpoint: training in {str(self.dirpath)!r} already "
+                f"finished (epoch {pos['epoch']}, step {pos['step']}); nothing to "
+                "do. Fix: Checkpoint(resume=False), or another dirpath, to train "
+                "anew."
+            )
+            self._model = None  # nothing trained: no final checkpoint either
+            return {"stop_training": True}
+        print(
+            f"fitlib: Checkpoint: resuming from {path.name} (epoch {pos['epoch']}, "
+            f"batch {pos['num_batch']}, step {pos['step']})."
+        )
+        self._resume = saved
+        return {k: pos[k] for k in ("epoch", "iteration", "step")}
+
+    def _resume_epoch(self, data: Any) -> dict | None:
+        """The first epoch of a resumed fit: its order, then skip what was done."""
+        saved, done = self._resume, self._resume["position"]["num_batch"]
+        if not done:  # an epoch boundary: its order is drawn from here
+            set_rng_state(saved["rng"], self._loader)
+            self._resume = None
+            self._epoch_rng = get_rng_state(self._loader)
+            return None
+        set_rng_state(saved["epoch_rng"], self._loader)
+        self._epoch_rng = saved["epoch_rng"]
+        batches = iter(data.train_dl)  # the epoch's order, drawn again
+        for _ in range(done):
+            next(batches)
+        left = len(data.train_dl) - done
+        return {"data": _Resumed(data, batches, left), "num_batch": done}
+
+    def __repr__(self) -> str:
+        return f"{self.name}({str(self.dirpath)!r})"
+
+
+class _Position(NamedTuple):
+    """Where the loop stands: the next epoch and batch to train, and counts."""
+
+    epoch: int
+    num_batch: int
+    iteration: int
+    step: int
+    finished: bool = False
+
+
+class _Resumed:
+    """The data of a resumed epoch: its remaining batches, drawn already."""
+
+    def __init__(self, data: Any, batches: Iterator, left: int) -> None:
+        self.resumed_from, self.valid_dl = data, getattr(data, "valid_dl", None)
+        self.train_dl = _Remaining(batches, left)
+
+
+class _Remaining:
+    def __init__(self, batches: Iterator, left: int) -> None:
+        self.batches, self.left = batches, left
+
+    def __len__(self) -> int:
+        return self.left
+
+    def __iter__(self) -> Iterator:
+        return self.batches
+
+
+def _load_callbacks(callbacks: list[Callback], states: list, path: Path) -> None:
+    """Gives each saved state to the callback of the same class, in order."""
+    waiting = list(callbacks)
+    for name, state in states:
+        cb = next((cb for cb in waiting if cb.name == name), None)
+        if cb is not None:
+            cb.load_state_dict(state)
+            waiting.remove(cb)
+    stateful = [cb.name for cb in waiting if cb.state_dict()]
+    if stateful:
+        raise ValueError(
+            f"{str(path)!r} holds no state for callback(s) {stateful}, which this "
+            "fit has: resuming would not continue the same run. Fix: run with "
+            "the callbacks of the run that saved, or Checkpoint(resume=False)."
+        )
+
+
+def _check_interval(every_n_epochs: Any, every_n_steps: Any) -> None:
+    if (every_n_epochs is None) == (every_n_steps is None):
+        got = "neither" if every_n_epochs is None else "both"
+        raise ValueError(
+            f"Checkpoint needs exactly one of every_n_epochs and every_n_steps; "
+            f"got {got}. Fix: e.g. Checkpoint(dir, every_n_epochs=1) or "
+            "Checkpoint(dir, every_n_steps=500)."
+        )
+    for name, n in (
+        ("every_n_epochs", every_n_epochs),
+        ("every_n_steps", every_n_steps),
+    ):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(
+                f"{name} must be an int >= 1; got {n!r}. Fix: e.g. {name}=1."
+            )
+
+
+def _check_writable(dirpath: Path) -> None:
+    """Raises before training when ``dirpath`` cannot hold checkpoints."""
+    try:
+        dirpath.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=dirpath):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"Checkpoint: cannot write in {str(dirpath)!r} ({e.strerror or e}). "
+            "Fix: pass a directory you can write to."
+        ) from e
+
+
+def _remove_temporaries(dirpath: Path) -> None:
+    """Half-written files of a killed run (never a checkpoint: see atomic_save)."""
+    for tmp in dirpath.glob(".*.pth.*.tmp"):
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,252 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_dataset
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import Callback, DataBunch, Learner
+from fitlib.callbacks import Checkpoint, GradientAccumulation, MixedPrecision
+from fitlib.metrics import accuracy
+from fitlib.serialization import safe_load
+
+HERE = Path(__file__).parent
+
+
+def learner(callbacks=(), model=None, workers=0, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    model = model or nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3)
+    )
+    data = DataBunch(
+        DataLoader(make_dataset(100), 16, shuffle=True, num_workers=workers),
+        DataLoader(make_dataset(37, seed=1), 16),
+        device="cpu",
+    )
+    return Learner(
+        data,
+        model,
+        F.cross_entropy,
+        opt_func=torch.optim.SGD,
+        metrics=[accuracy],
+        progress=False,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
+class Crash(Callback):
+    """Raises after training batch ``at`` (an iteration number)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_batch_end(self, iteration, train):
+        if train and iteration == self.at:
+            raise RuntimeError("crash")
+
+
+def same_run(a, b):
+    weights = all(map(torch.equal, a.model.state_dict().values(),
+                      b.model.state_dict().values()))  # fmt: skip
+    ra, rb = a.recorder, b.recorder
+    history = (ra.losses, ra.lrs, ra.valid_losses) == (
+        rb.losses,
+        rb.lrs,
+        rb.valid_losses,
+    )
+    return weights and history
+
+
+def train_with_crashes(tmp_path, crashes, make=learner, train=None, **ckpt):
+    train = train or (lambda learn: learn.fit_one_cycle(4, 0.1))
+    for at in [*crashes, None]:
+        extra = [Crash(at)] if at is not None else []
+        learn = make([Checkpoint(tmp_path, **ckpt), *extra])
+        try:
+            train(learn)
+        except RuntimeError:
+            assert at is not None
+    return learn
+
+
+# -- exact resume ------------------------------------------------------------------
+@pytest.mark.parametrize("crashes", [[5], [13, 22], [2, 3, 9, 26]])
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, crashes):
+    ref = learner()
+    ref.fit_one_cycle(4, 0.1)
+    resumed = train_with_crashes(tmp_path, crashes, every_n_steps=3)
+    assert same_run(ref, resumed)
+    assert len(resumed.recorder.losses) == 28 and resumed.recorder.epochs == [
+        0,
+        1,
+        2,
+        3,
+    ]
+
+
+def test_resume_at_epoch_boundaries_is_exact_too(tmp_path):
+    ref = learner()
+    ref.fit_one_cycle(4, 0.1)
+    assert same_run(ref, train_with_crashes(tmp_path, [10, 20], every_n_epochs=1))
+
+
+def test_resume_is_exact_with_workers_and_gradient_accumulation(tmp_path):
+    def make(cbs):
+        return learner([*cbs, GradientAccumulation(2)], workers=2)
+
+    ref = make([])
+    ref.fit(3, lr=0.05)
+    resumed = train_with_crashes(
+        tmp_path, [4, 11], make, lambda learn: learn.fit(3, lr=0.05), every_n_steps=2
+    )
+    assert same_run(ref, resumed)
+
+
+@pytest.mark.filterwarnings("ignore:MixedPrecision.float16. on the CPU")
+def test_resume_restores_the_loss_scale(tmp_path):
+    def make(cbs):
+        mp = MixedPrecision(torch.float16, init_scale=4.0, growth_interval=3)
+        return learner([*cbs, mp])  # the scale doubles every 3 steps
+
+    ref = make([])
+    ref.fit(2, lr=0.05)
+    resumed = train_with_crashes(
+        tmp_path, [9], make, lambda learn: learn.fit(2, lr=0.05), every_n_steps=4
+    )
+    assert same_run(ref, resumed)
+    scale = ref.callbacks[-1].scaler.get_scale()
+    assert scale > 4.0 and resumed.callbacks[-1].scaler.get_scale() == scale
+
+
+def test_killed_at_random_moments_with_sigkill_the_run_still_ends_identical(tmp_path):
+    """Processes killed mid-epoch and mid-write, then rerun, as a user would."""
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    child = [sys.executable, str(HERE / "resume_child.py")]
+    subprocess.run([*child, str(tmp_path / "ref"), str(tmp_path / "ref.pth")],
+                   env=env, check=True, capture_output=True)  # fmt: skip
+    rng, kills = random.Random(1234), 0
+    for attempt in range(12):
+        proc = subprocess.Popen(
+            [*child, str(tmp_path / "ckpt"), str(tmp_path / "run.pth")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        while (line := proc.stdout.readline()) and line.strip() != b"started":
+            pass  # imports done, training starts: the kill can come now
+        if attempt < 4:  # then let it finish
+            time.sleep(rng.uniform(0.05, 0.9))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        proc.wait(timeout=120)
+        if proc.returncode == 0:
+            break
+    assert kills >= 2, "the run was too fast to kill: slow resume_child.py down"
+    ref, run = safe_load(tmp_path / "ref.pth"), safe_load(tmp_path / "run.pth")
+    assert run["losses"] == ref["losses"] and run["lrs"] == ref["lrs"]
+    assert run["valid_losses"] == ref["valid_losses"]
+    assert all(torch.equal(run["weights"][k], v) for k, v in ref["weights"].items())
+
+
+# -- files -------------------------------------------------------------------------
+def test_keeps_the_last_n_counting_files_of_earlier_runs(tmp_path):
+    (tmp_path / "checkpoint-000000000.pth").write_bytes(b"old run")
+    learn = learner([Checkpoint(tmp_path, every_n_steps=2, keep_last=3, resume=False)])
+    learn.fit(2, lr=0.05)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint-000000010.pth", "checkpoint-000000012.pth",
+                     "checkpoint-000000014.pth"]  # fmt: skip
+
+
+def test_a_finished_run_says_so_and_trains_nothing(tmp_path, capsys):
+    learn = learner([Checkpoint(tmp_path)])
+    learn.fit(2, lr=0.05)
+    again = learner([Checkpoint(tmp_path)])
+    again.fit(2, lr=0.05)
+    assert "already finished (epoch 2" in capsys.readouterr().out
+    assert same_run(learn, again)
+
+
+def test_the_best_checkpoint_is_kept_apart(tmp_path):
+    learn = learner([Checkpoint(tmp_path, monitor="valid_loss", keep_last=1)])
+    learn.fit(4, lr=0.05)
+    best = safe_load(tmp_path / "best.pth")
+    epoch = min(range(4), key=lambda e: learn.recorder.valid_losses[e])
+    assert best["position"]["epoch"] == epoch + 1
+    assert best["monitor"]["best"] == pytest.approx(learn.recorder.valid_losses[epoch])
+    assert len(list(tmp_path.glob("checkpoint-*.pth"))) == 1
+
+
+def test_a_half_written_file_of_a_killed_run_is_removed_and_ignored(tmp_path):
+    learn = learner([Checkpoint(tmp_path, every_n_epochs=1)])
+    learn.fit(1, lr=0.05)
+    tmp = tmp_path / ".checkpoint-000000099.pth.abc.tmp"
+    tmp.write_bytes(b"half")
+    learner([Checkpoint(tmp_path)]).fit(2, lr=0.05)
+    assert not tmp.exists()
+
+
+def test_a_failed_save_keeps_what_was_on_disk(tmp_path, monkeypatch):
+    learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        learner([Checkpoint(tmp_path, resume=False)]).fit(2, lr=0.05)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+# -- bad input ---------------------------------------------------------------------
+def test_a_checkpoint_of_a_different_model_lists_the_keys(tmp_path):
+    learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
+    other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    with pytest.raises(ValueError, match=r"different model.*0\.weight: saved"):
+        learner([Checkpoint(tmp_path)], model=other).fit(2, lr=0.05)
+
+
+def test_a_truncated_checkpoint_is_a_clear_error(tmp_path):
+    learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
+    path = Checkpoint(tmp_path).checkpoints()[-1]
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="truncated, corrupt"):
+        learner([Checkpoint(tmp_path)]).fit(2, lr=0.05)
+
+
+def test_a_directory_that_cannot_be_written_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot write in"):
+        Checkpoint(blocker / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_epochs": None}, "exactly one of every_n_epochs and every_n_steps"),
+        ({"every_n_epochs": 1, "every_n_steps": 5}, "got both"),
+        ({"every_n_epochs": 0}, "every_n_epochs must be an int >= 1"),
+        ({"every_n_steps": -2}, "every_n_steps must be an int >= 1"),
+        ({"keep_last": 0}, "keep_last must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_are_errors(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Checkpoint(tmp_path, **kwargs)
+
+
+def test_a_monitor_that_never_appears_lists_the_names(tmp_path):
+    learn = learner([Checkpoint(tmp_path, monitor="f1")])
+    with pytest.raises(ValueError, match="valid_loss"):
+        learn.fit(1, lr=0.05)
+    assert learn.recorder.losses == []
