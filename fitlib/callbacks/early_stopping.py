@@ -1,0 +1,270 @@
+"""``EarlyStopping``: end training when a monitored value stops improving.
+
+The value is read through ``Monitor``, once per epoch in one host transfer.
+With ``restore_best`` the best epoch's weights are copied to the host (one
+copy per improving epoch, not per batch) and loaded back when training ends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fitlib.callback import Callback
+from fitlib.callbacks.monitor import Monitor
+from fitlib.core import batch_size
+
+_STATE_KEYS = ("monitor", "wait", "best_epoch", "stopped_epoch")
+
+
+class EarlyStopping(Callback):
+    """Stops training when ``monitor`` has not improved for too many epochs.
+
+    After each epoch that has a value (from ``start_from_epoch`` on), the
+    epoch is *bad* when the value does not beat the best so far by more than
+    ``min_delta``, or, with a ``baseline``, does not beat the baseline by
+    more than ``min_delta`` either; any other epoch resets the count. Training
+    stops after the epoch that makes the count exceed ``patience``: with
+    ``patience=0`` at the first bad epoch, with ``patience=2`` at the third
+    in a row. So with a baseline, training stops unless the value beats it
+    within ``patience + 1`` counted epochs. (Keras stops once the count
+    reaches ``patience``; here, as in ``ReduceLROnPlateau``, it must exceed it.)
+    NaN is never an improvement; an epoch without validation (``last_metrics``
+    None) is not counted, unless monitoring ``train_loss``.
+
+    The best value (``monitor.best``) and its epoch track the best value seen,
+    also below the baseline. A fit that starts at ``iteration == 0`` resets
+    the state; a resumed one keeps what ``load_state_dict`` restored. Epochs
+    are 0-based, as in the state and the progress table. When it stops, one
+    line is printed at the end of training.
+
+    Args:
+        monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
+        min_delta: the least change that counts as an improvement (>= 0).
+        patience: bad epochs in a row tolerated before stopping (>= 0).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (losses and error rates go
+            down; accuracy, f-scores and r2 go up).
+        baseline: a value to beat, or None.
+        restore_best: load the best epoch's weights when training ends,
+            whatever ended it (also an error or Ctrl-C), if an epoch was
+            evaluated; the copy is kept on the host.
+        start_from_epoch: epochs before this one (0-based) are not counted
+            (a warm-up during which no improvement is expected).
+
+    Attributes:
+        wait: the bad epochs in a row so far.
+        best_epoch: the epoch of the best value, or None.
+        stopped_epoch: the epoch after which it stopped training, or None.
+
+    Example:
+        >>> stop = EarlyStopping("valid_loss", patience=2, restore_best=True)
+        >>> fit(50, model, F.cross_entropy, opt, data, callbacks=[stop])
+        EarlyStopping: stopped after epoch 11: ...
+    """
+
+    # After ReduceLROnPlateau (40): on a shared plateau the lr is lowered
+    # first. Before the Recorder (50) and ProgressBar (60), which still record
+    # and show the epoch it stops after, and after whose table it prints.
+    order = 45
+
+    def __init__(
+        self,
+        monitor: str = "valid_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best: bool = False,
+        start_from_epoch: int = 0,
+    ) -> None:
+        self.monitor = Monitor(monitor, mode, min_delta, owner=self.name)
+        self.patience = _check_count("patience", patience)
+        self.start_from_epoch = _check_count("start_from_epoch", start_from_epoch)
+        self.baseline = _check_baseline(baseline)
+        if not isinstance(restore_best, bool):
+            raise TypeError(
+                f"EarlyStopping: restore_best must be True or False; got "
+                f"{restore_best!r}. Fix: restore_best=True to load the best "
+                "weights at the end."
+            )
+        self.restore_best = restore_best
+        self._fitting = False  # between this fit's on_train_begin and end
+        self._stopped_now = False  # stopped in this fit: print at its end
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the best value and weights, the count and the stop."""
+        self.monitor.reset()
+        self.wait = 0
+        self.best_epoch: int | None = None
+        self.stopped_epoch: int | None = None
+        self.best_weights: dict[str, torch.Tensor] | None = None
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(self, iteration: int, metrics: Any, data: Any) -> None:
+        """Runs before training: checks the monitor; a new fit resets."""
+        self.monitor.start(metrics, data)
+        if iteration == 0:
+            self.reset()
+        self._stopped_now = False
+        self._fitting = True
+
+    def on_batch_end(
+        self, train: bool, last_loss: torch.Tensor, last_target: Any, last_input: Any
+    ) -> None:
+        """Runs after each batch: keeps the training loss when it is monitored."""
+        if train and self.monitor.needs_train_loss:
+            self.monitor.add_batch(last_loss, batch_size(last_target, last_input))
+
+    def on_epoch_end(
+        self, epoch: int, last_metrics: list | None, model: torch.nn.Module
+    ) -> dict | None:
+        """Runs after validation: counts a bad epoch, stops after too many."""
+        value = self.monitor.read(last_metrics)
+        if value is None or epoch < self.start_from_epoch:
+            return None
+        if self.step(value, epoch, model):
+            return {"stop_training": True}
+        return None
+
+    def on_train_end(self, model: torch.nn.Module) -> None:
+        """Runs at the end, also after an error: restores the best weights."""
+        if not self._fitting:  # this fit failed before our on_train_begin
+            return
+        self._fitting = False
+        restored = self.restore_best and self.best_weights is not None
+        if restored:
+            model.load_state_dict(self.best_weights)
+        if self._stopped_now:
+            print(self._message(restored))
+
+    # -- the rule --------------------------------------------------------------
+    def step(self, value: float, epoch: int, model: torch.nn.Module | None) -> bool:
+        """Takes one counted epoch's ``value`` into account; True to stop."""
+        improved = self.monitor.update(value)
+        if improved:
+            self.best_epoch = epoch
+            if self.restore_best and model is not None:
+                self.best_weights = _host_copy(model)
+        if improved and self._beats_baseline(value):
+            self.wait = 0
+            return False
+        self.wait += 1
+        if self.wait <= self.patience:
+            return False
+        self.stopped_epoch, self._stopped_now = epoch, True
+        return True
+
+    def _beats_baseline(self, value: float) -> bool:
+        if self.baseline is None:
+            return True
+        delta = self.monitor.min_delta
+        if self.monitor.mode == "min":
+            return value < self.baseline - delta
+        return value > self.baseline + delta
+
+    def _message(self, restored: bool) -> str:
+        name, best = self.monitor.name, self.monitor.best
+        if self.baseline is not None and not self._beats_baseline(best):
+            why = f"did not beat baseline={self.baseline:.6g}"
+        else:
+            why = f"did not improve for {self.wait} epoch(s)"
+        if self.best_epoch is None:
+            best_text = "no best value (every value was NaN or infinite)"
+        else:
+            best_text = f"best {name}={best:.6g} at epoch {self.best_epoch}"
+        text = (
+            f"{self.name}: stopped after epoch {self.stopped_epoch}: {name} {why} "
+            f"(patience={self.patience}); {best_text}"
+        )
+        return text + ("; restored its weights" if restored else "")
+
+    # -- saved state -----------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Best value, bad-epoch count, best and stopped epochs (and weights)."""
+        state = {
+            "monitor": self.monitor.state_dict(),
+            "wait": self.wait,
+            "best_epoch": self.best_epoch,
+            "stopped_epoch": self.stopped_epoch,
+        }
+        if self.restore_best:
+            state["best_weights"] = self.best_weights
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what ``state_dict`` returned."""
+        expected = set(_STATE_KEYS) | ({"best_weights"} if self.restore_best else set())
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else state
+            raise ValueError(
+                f"EarlyStopping.load_state_dict: expected the keys "
+                f"{sorted(expected)}; got {got!r}. Fix: pass what "
+                "EarlyStopping.state_dict() returned, from an EarlyStopping "
+                f"with restore_best={self.restore_best}."
+            )
+        self.monitor.load_state_dict(state["monitor"])
+        self.wait = int(state["wait"])
+        self.best_epoch = _int_or_none(state["best_epoch"])
+        self.stopped_epoch = _int_or_none(state["stopped_epoch"])
+        if self.restore_best:
+            weights = state["best_weights"]
+            self.best_weights = None if weights is None else dict(weights)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}(monitor={self.monitor.name!r}, mode={self.monitor.mode!r}, "
+            f"min_delta={self.monitor.min_delta}, patience={self.patience}, "
+            f"baseline={self.baseline}, restore_best={self.restore_best}, "
+            f"start_from_epoch={self.start_from_epoch})"
+        )
+
+
+def _host_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers, copied to the host.
+
+    The copies from a GPU are queued without waiting, then awaited once:
+    one sync per copy of the model, not one per tensor.
+    """
+    copies, gpus = {}, set()
+    for key, t in model.state_dict().items():
+        cuda = t.device.type == "cuda"
+        if cuda:
+            gpus.add(t.device)
+        copies[key] = t.detach().to("cpu", copy=True, non_blocking=cuda)
+    for device in gpus:  # the host may read the copies only after this
+        torch.cuda.synchronize(device)
+    return copies
+
+
+def _int_or_none(x: Any) -> int | None:
+    return None if x is None else int(x)
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"EarlyStopping: {name} must be an int (a number of epochs); got "
+            f"{value!r} ({type(value).__name__}). Fix: e.g. {name}=3."
+        )
+    if value < 0:
+        raise ValueError(
+            f"EarlyStopping: {name} must be >= 0 epochs; got {value}. "
+            f"Fix: e.g. {name}=0."
+        )
+    return value
+
+
+def _check_baseline(baseline: Any) -> float | None:
+    if baseline is None:
+        return None
+    number = isinstance(baseline, (int, float)) and not isinstance(baseline, bool)
+    if not number or math.isnan(baseline):
+        error = ValueError if number else TypeError
+        raise error(
+            f"EarlyStopping: baseline must be a number (not NaN) or None; got "
+            f"{baseline!r}. Fix: e.g. baseline=0.5 (the value to beat), or None."
+        )
+    return float(baseline)
