@@ -34,11 +34,12 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Makes a rename or creation in ``directory`` survive a power cut."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some platforms cannot open directories

@@ -1,0 +1,236 @@
+"""``CSVLogger``: one row per epoch in a CSV file, durable after each row.
+
+Each row is flushed and fsynced as it is written, so a crash loses at most
+the row being written. After a resume (a fit that begins with
+``iteration > 0`` at epoch E, restored by a Checkpoint) the rows of epochs
+>= E, written after that checkpoint, are removed first (the file is
+rewritten atomically) so the resumed run appends without duplicates.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fitlib.callback import Callback
+from fitlib.callbacks.tracking import (
+    RunningLoss,
+    check_state_keys,
+    step_lr,
+)
+from fitlib.core import batch_size, to_floats
+from fitlib.serialization import fsync_dir
+
+_STATE_KEYS = ("first_row", "epoch", "epoch_loss", "epoch_seconds")
+
+
+class CSVLogger(Callback):
+    """Writes a row per epoch: epoch, train_loss, valid_loss, metrics, lr, time.
+
+    ``train_loss`` is the sample-weighted mean of the epoch's training
+    losses; ``lr`` that of the last parameter group as the epoch's last
+    optimizer step used it; ``time`` the epoch's seconds. A skipped validation
+    leaves the valid_loss and metric cells empty (pandas reads them as NaN),
+    so "not computed" differs from a computed ``nan``. Values are written in
+    full precision. The header is written once, when the file is new or empty.
+
+    ``append=True`` adds the rows of each fit to the file; ``append=False``
+    starts a new file at each fit that starts afresh. Either way a resumed fit
+    keeps the rows of the epochs before the one it resumes and removes the
+    later ones. Appending to a file whose header differs (other metrics)
+    raises. Rows torn by a crash during a write are removed.
+
+    Args:
+        path: the CSV file; its missing parent directories are created.
+        append: keep the rows already in the file (True) or start anew.
+
+    Example:
+        >>> fit(3, model, F.cross_entropy, opt, data, metrics=[accuracy],
+        ...     callbacks=[CSVLogger("logs/run1.csv")])
+        >>> print(open("logs/run1.csv").read())
+        epoch,train_loss,valid_loss,accuracy,lr,time
+        0,0.8712,0.7345,0.71,0.1,0.41
+        ...
+    """
+
+    order = 55  # after the callbacks that change training, and the Recorder
+
+    def __init__(self, path: str | os.PathLike, append: bool = True) -> None:
+        self.path = _check_path(path)
+        if not isinstance(append, bool):
+            raise TypeError(
+                f"CSVLogger: append must be True or False; got {append!r} "
+                f"({type(append).__name__}). Fix: append=True keeps the rows "
+                "already in the file, append=False starts a new file."
+            )
+        self.append = append
+        self.columns: list[str] = []
+        self._first_row: int | None = None  # where this fit's rows start
+        self._loss = RunningLoss()
+        self._loss_epoch: int | None = None  # the epoch _loss sums
+        self._epoch_seconds, self._t0 = 0.0, time.perf_counter()
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(self, iteration: int, epoch: int, metrics: Any) -> None:
+        """Runs before training: prepares the file (and trims it on a resume)."""
+        names = list(getattr(metrics, "names", None) or [])
+        self.columns = ["epoch", "train_loss", "valid_loss", *names, "lr", "time"]
+        _check_path(self.path)
+        _make_parent(self.path)
+        if iteration == 0:
+            self._loss.reset()
+            self._loss_epoch = None
+            rows, changed = self._read() if self.append else ([], True)
+            self._first_row = len(rows)
+        else:
+            rows, torn = self._read()
+            kept, self._first_row = _rows_before(rows, epoch, self._first_row)
+            rows, changed = kept, torn or kept != rows
+        if changed or not self.path.is_file() or self.path.stat().st_size == 0:
+            self._rewrite(rows)
+
+    def on_epoch_begin(self, epoch: int) -> None:
+        """Runs at each epoch's start: starts its loss sum and clock."""
+        if epoch != self._loss_epoch:  # not an epoch resumed part way
+            self._loss.reset()
+            self._epoch_seconds, self._loss_epoch = 0.0, epoch
+        self._t0 = time.perf_counter()
+
+    def on_batch_end(
+        self, train: bool, last_loss: Any, last_target: Any, last_input: Any
+    ) -> None:
+        """Runs after each batch: keeps a training loss (a list append)."""
+        if train:
+            self._loss.add(last_loss, batch_size(last_target, last_input))
+
+    def on_epoch_end(self, epoch: int, last_metrics: list | None, opt: Any) -> None:
+        """Runs after validation: writes the epoch's row (one host transfer)."""
+        sums = self._loss.pending()
+        values = to_floats(sums, last_metrics or [])
+        valid: list[Any] = values[len(sums) :]
+        if last_metrics is None:
+            valid = [""] * (len(self.columns) - 4)
+        seconds = self._epoch_seconds + time.perf_counter() - self._t0
+        train = self._loss.mean(values[: len(sums)])
+        self._write_row([epoch, train, *valid, step_lr(opt), seconds])
+        self._loss.reset()
+        self._loss_epoch = None
+
+    # -- the file --------------------------------------------------------------
+    def _read(self) -> tuple[list[list[str]], bool]:
+        """The file's rows (header excluded), and whether some were torn."""
+        if not self.path.is_file():
+            return [], False
+        with open(self.path, newline="") as f:
+            text = f.read()
+        lines = list(csv.reader(text.splitlines()))
+        if not lines:
+            return [], False
+        if lines[0] != self.columns:
+            raise ValueError(
+                f"CSVLogger: {str(self.path)!r} has the columns {lines[0]}, but "
+                f"this fit writes {self.columns}. Fix: CSVLogger(path, "
+                "append=False) to start a new file, or log to another path."
+            )
+        # Every row ends with a line break: a last line without one was torn.
+        whole = lines[1:] if text.endswith("\n") else lines[1:-1]
+        rows = [r for r in whole if len(r) == len(self.columns) and r[0].isdigit()]
+        return rows, len(rows) != len(lines) - 1
+
+    def _rewrite(self, rows: list[list[str]]) -> None:
+        """Header and ``rows``, atomically: a crash leaves the old or new file."""
+        fd, tmp = tempfile.mkstemp(
+            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
+        )
+        try:
+            with os.fdopen(fd, "w", newline="") as f:
+                csv.writer(f).writerows([self.columns, *rows])
+                f.flush()
+                os.fsync(f.fileno())
+            if self.path.is_file():  # keep the old file's permissions
+                shutil.copymode(self.path, tmp)
+            else:  # mkstemp makes it private; a log is as readable as any file
+                os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(self.path.parent)
+
+    def _write_row(self, row: list[Any]) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow(row)
+            f.flush()
+            os.fsync(f.fileno())
+
+    # -- saving ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where this fit's rows start, and the epoch's sums so far (one sync)."""
+        seconds = 0.0
+        if self._loss_epoch is not None:
+            seconds = self._epoch_seconds + time.perf_counter() - self._t0
+        return {
+            "first_row": self._first_row,
+            "epoch": self._loss_epoch,
+            "epoch_loss": self._loss.state_dict(),
+            "epoch_seconds": seconds,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``; the resumed fit trims the file from it."""
+        check_state_keys(state, _STATE_KEYS, "CSVLogger")
+        self._first_row = state["first_row"]
+        self._loss_epoch = state["epoch"]
+        self._loss.load_state_dict(state["epoch_loss"])
+        self._epoch_seconds = float(state["epoch_seconds"])
+
+    def __repr__(self) -> str:
+        return f"{self.name}({str(self.path)!r}, append={self.append})"
+
+
+def _rows_before(
+    rows: list[list[str]], epoch: int, first: int | None
+) -> tuple[list[list[str]], int]:
+    """The rows to keep when resuming at ``epoch``, and where this fit's start.
+
+    This fit's rows start at ``first`` (restored from the checkpoint); before
+    that are earlier fits' rows, kept whatever their epochs. Without it, this
+    fit's rows are taken to be the trailing rows of epochs >= ``epoch``.
+    """
+    if first is None:
+        first = len(rows)
+        while first and int(rows[first - 1][0]) >= epoch:
+            first -= 1
+    first = min(first, len(rows))
+    return rows[:first] + [r for r in rows[first:] if int(r[0]) < epoch], first
+
+
+def _check_path(path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or str(path) == "":
+        raise TypeError(
+            f"CSVLogger: path must be a file path (str or os.PathLike); got "
+            f"{path!r} ({type(path).__name__}). Fix: e.g. CSVLogger('logs/run.csv')."
+        )
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(
+            f"CSVLogger: path {str(path)!r} is a directory; it must name a file. "
+            f"Fix: e.g. CSVLogger({str(path / 'log.csv')!r})."
+        )
+    return path
+
+
+def _make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ValueError(
+            f"CSVLogger: cannot create the directory of {str(path)!r}: a part of "
+            f"it is a file ({e}). Fix: choose a path whose parents are "
+            "directories (or do not exist yet)."
+        ) from e

@@ -1,0 +1,230 @@
+"""``TextLogger``: training progress as lines of Python ``logging``.
+
+One line per epoch (train and validation losses, metrics, time) and, every
+``every_n_steps`` optimizer steps, one line with the samples per second, the
+learning rate and the mean loss since the previous line. Where the lines go
+(console, file) is up to the handlers you configure on the logger.
+
+Per batch the losses are only appended to lists (device tensors, no sync);
+each line reads what it needs in one host transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from fitlib.callback import Callback
+from fitlib.callbacks.tracking import (
+    RunningLoss,
+    TrainClock,
+    check_every_n_steps,
+    check_state_keys,
+    step_lr,
+)
+from fitlib.core import batch_size, to_floats
+
+_STATE_KEYS = (
+    "line_step",
+    "interval",
+    "seconds",
+    "epoch",
+    "epoch_loss",
+    "epoch_seconds",
+)
+
+
+class TextLogger(Callback):
+    """Logs a line per epoch, and a line every ``every_n_steps`` optimizer steps.
+
+    The epoch line: epoch, train_loss (the sample-weighted mean of the epoch's
+    training losses), valid_loss and each metric (``n/a`` when validation was
+    skipped), and the epoch's seconds. The step line (at steps that are
+    multiples of ``every_n_steps``, state key ``step``): the step, the epoch,
+    the mean training loss per sample since the previous step line, the lr of
+    the last parameter group used by the latest step, and samples per second
+    of training since the previous line (validation time left out; every
+    training batch counts, also those of an accumulation that did not step).
+
+    Nothing is read per batch; each line costs one host transfer, and none at
+    all when the logger is not enabled for ``level``. The counters restart at
+    each fit; after a resume (``iteration > 0``) they continue from
+    ``load_state_dict``, so the lines equal those of a run that never stopped
+    (times aside); lines logged between the checkpoint and a crash are logged
+    again, since a log cannot be taken back.
+
+    Args:
+        logger: a ``logging.Logger`` or the name of one. Configure its
+            handlers (e.g. ``logging.basicConfig(level=logging.INFO)``).
+        every_n_steps: optimizer steps between step lines (None: epoch lines
+            only).
+        level: the logging level of the lines (an int, or a name like "INFO").
+
+    Example:
+        >>> logging.basicConfig(level=logging.INFO)
+        >>> fit(3, model, F.cross_entropy, opt, data,
+        ...     callbacks=[TextLogger(every_n_steps=50)])
+        INFO:fitlib:step 50 (epoch 0): loss 0.912346, lr 1.000e-01, 5230.1 samples/s
+        INFO:fitlib:epoch 0: train_loss 0.871234 valid_loss 0.734512 time 0.41s
+    """
+
+    order = 55  # after the callbacks that change training, and the Recorder
+
+    def __init__(
+        self,
+        logger: str | logging.Logger = "fitlib",
+        every_n_steps: int | None = 100,
+        level: int | str = logging.INFO,
+    ) -> None:
+        self.logger = _as_logger(logger)
+        self.every_n_steps = check_every_n_steps(every_n_steps, "TextLogger", True)
+        self.level = _as_level(level)
+        self._names: list[str] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._interval, self._epoch_loss = RunningLoss(), RunningLoss()
+        self._clock = TrainClock()
+        self._line_step = 0  # the step of the latest step line
+        self._loss_epoch: int | None = None  # the epoch _epoch_loss sums
+        self._epoch_seconds, self._epoch_t0 = 0.0, time.perf_counter()
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(self, iteration: int, metrics: Any) -> None:
+        """Runs before training: starts afresh, unless the fit is resumed."""
+        self._names = list(getattr(metrics, "names", None) or [])
+        if iteration == 0:
+            self._reset()
+
+    def on_epoch_begin(self, epoch: int) -> None:
+        """Runs at each epoch's start: starts its loss sum and clocks."""
+        if epoch != self._loss_epoch:  # not an epoch resumed part way
+            self._epoch_loss.reset()
+            self._epoch_seconds, self._loss_epoch = 0.0, epoch
+        self._epoch_t0 = time.perf_counter()
+        self._clock.resume()
+
+    def on_batch_end(
+        self,
+        train: bool,
+        step: int,
+        epoch: int,
+        opt: Any,
+        last_loss: torch.Tensor,
+        last_target: Any,
+        last_input: Any,
+    ) -> None:
+        """Runs after each batch: keeps the loss; logs at every n-th step."""
+        if not train:
+            self._clock.pause()  # validation is not training time
+            return
+        size = batch_size(last_target, last_input)
+        self._interval.add(last_loss, size)
+        self._epoch_loss.add(last_loss, size)
+        n = self.every_n_steps
+        if n and step % n == 0 and step > self._line_step:
+            self._log_steps(step, epoch, opt)
+
+    def on_epoch_end(self, epoch: int, last_metrics: list | None) -> None:
+        """Runs after validation: logs the epoch's line (one host transfer)."""
+        self._clock.pause()
+        if self.logger.isEnabledFor(self.level):
+            sums = self._epoch_loss.pending()
+            values = to_floats(sums, last_metrics or [])
+            train = self._epoch_loss.mean(values[: len(sums)])
+            seconds = self._epoch_seconds + time.perf_counter() - self._epoch_t0
+            valid = None if last_metrics is None else values[len(sums) :]
+            self.logger.log(self.level, self._epoch_line(epoch, train, valid, seconds))
+        self._epoch_loss.reset()
+        self._loss_epoch = None
+
+    # -- lines -----------------------------------------------------------------
+    def _log_steps(self, step: int, epoch: int, opt: Any) -> None:
+        interval, self._interval = self._interval, RunningLoss()
+        self._line_step = step
+        if not self.logger.isEnabledFor(self.level):
+            self._clock.lap()
+            return
+        loss = interval.mean(to_floats(interval.pending()))
+        seconds = self._clock.lap()  # after the transfer: the device is done
+        speed = interval.samples / seconds if seconds > 0 else math.nan
+        self.logger.log(
+            self.level,
+            f"step {step} (epoch {epoch}): loss {loss:.6g}, lr {step_lr(opt):.3e}, "
+            f"{speed:.1f} samples/s",
+        )
+
+    def _epoch_line(
+        self, epoch: int, train: float, valid: list[float] | None, seconds: float
+    ) -> str:
+        names = ["valid_loss", *self._names]
+        if valid is None:
+            cells = [f"{name} n/a" for name in names]
+        else:
+            cells = [f"{name} {v:.6g}" for name, v in zip(names, valid, strict=False)]
+        return " ".join([f"epoch {epoch}: train_loss {train:.6g}", *cells]) + (
+            f" time {seconds:.2f}s"
+        )
+
+    # -- saving ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The step counter and the sums since the last lines (one sync)."""
+        elapsed = 0.0
+        if self._loss_epoch is not None:
+            elapsed = self._epoch_seconds + time.perf_counter() - self._epoch_t0
+        return {
+            "line_step": self._line_step,
+            "interval": self._interval.state_dict(),
+            "seconds": self._clock.elapsed(),
+            "epoch": self._loss_epoch,
+            "epoch_loss": self._epoch_loss.state_dict(),
+            "epoch_seconds": elapsed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``: the next lines continue those sums."""
+        check_state_keys(state, _STATE_KEYS, "TextLogger")
+        self._reset()
+        self._line_step = int(state["line_step"])
+        self._interval.load_state_dict(state["interval"])
+        self._clock.reset(state["seconds"])
+        self._clock.pause()  # until the resumed epoch begins
+        self._loss_epoch = state["epoch"]
+        self._epoch_loss.load_state_dict(state["epoch_loss"])
+        self._epoch_seconds = float(state["epoch_seconds"])
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}(logger={self.logger.name!r}, "
+            f"every_n_steps={self.every_n_steps}, "
+            f"level={logging.getLevelName(self.level)})"
+        )
+
+
+def _as_logger(logger: Any) -> logging.Logger:
+    if isinstance(logger, logging.Logger):
+        return logger
+    if isinstance(logger, str) and logger:
+        return logging.getLogger(logger)
+    raise TypeError(
+        f"TextLogger: logger must be a logging.Logger or a logger's name (a "
+        f"non-empty str); got {logger!r} ({type(logger).__name__}). Fix: e.g. "
+        "TextLogger('fitlib') or TextLogger(logging.getLogger(__name__))."
+    )
+
+
+def _as_level(level: Any) -> int:
+    if isinstance(level, str):
+        number = logging.getLevelName(level.upper())  # an int for known names
+        if isinstance(number, int):
+            return number
+    elif isinstance(level, int) and not isinstance(level, bool) and level >= 0:
+        return level
+    raise ValueError(
+        f"TextLogger: level must be a logging level (an int >= 0 or a name "
+        f"like 'INFO'); got {level!r}. Fix: e.g. level=logging.INFO."
+    )
