@@ -1,0 +1,347 @@
+"""``TensorBoardLogger``: scalars and hyper-parameters of a run, for TensorBoard.
+
+Per training batch it appends the detached loss to a list (no device op, no
+sync); the losses reach Python in one transfer every ``every_n_steps`` steps
+and at epoch end. Every point is written at a global step, the optimizer steps
+since the logger's first fit: epoch and step charts share one x-axis, and a
+resumed run writes each step once (see ``TensorBoardLogger``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any
+
+import torch
+
+from fitlib.callback import Callback
+from fitlib.core import batch_size, to_floats
+from fitlib.optim import HPOptimizer
+
+_HPARAM_TYPES = (bool, int, float, str)
+_NOT_METRICS = ("epoch", "lr", "time")
+# What a resumed fit needs; each is the attribute "_" + key.
+_STATE_KEYS = (
+    "base", "epoch_base", "last_point", "interval", "epoch_sums", "sums_epoch",
+    "peak_lr", "batch_size", "auto_hparams", "tags",
+)  # fmt: skip
+
+
+class TensorBoardLogger(Callback):
+    """Writes per-epoch and per-step scalars and the run's hyper-parameters.
+
+    Tags, at the global step: ``epoch/epoch``, ``epoch/train_loss`` (sample-
+    weighted), ``epoch/valid_loss`` and ``epoch/<metric>`` (none when
+    validation is skipped), ``epoch/lr``, ``epoch/time`` (seconds; a resumed
+    epoch counts from the resume) where an epoch ends; ``step/loss`` (mean of
+    the batches since the last point) and ``step/lr`` every ``every_n_steps``
+    steps and at a clean end. The lr is the last parameter group's.
+
+    After a fit without error, the HParams tab gets ``lr`` (the largest any
+    step used: a schedule's peak), ``mom`` and ``wd`` (as the fit began),
+    ``batch_size``, ``epochs``, ``max_steps``, ``optimizer``, ``model`` and
+    ``hparams``, with the losses and metrics as its metrics (their last
+    values). TensorBoard keeps the first hyper-parameters of a ``log_dir``.
+
+    A resumed fit (``iteration > 0`` at ``on_train_begin``) opens its writer
+    with ``purge_step`` one past the step it resumes from: TensorBoard hides
+    what the interrupted process wrote after its checkpoint (the files stay)
+    and shows the resumed run's points instead, one per step as in an
+    uninterrupted run. A new run in a used ``log_dir`` hides the old one's
+    points the same way: use one ``log_dir`` per run. Further fits with the
+    same logger continue its step and epoch count.
+
+    Args:
+        log_dir: the run's directory (created if missing).
+        every_n_steps: optimizer steps between two ``step/`` points (>= 1).
+        hparams: more hyper-parameters (bool, int, float or str values); they
+            override the automatic ones of the same name.
+
+    Example:
+        >>> tb = TensorBoardLogger("runs/exp1", hparams={"dropout": 0.3})
+        >>> fit(5, model, F.cross_entropy, opt, data, callbacks=[tb])
+        $ tensorboard --logdir runs
+    """
+
+    order = 55
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        every_n_steps: int = 50,
+        hparams: dict | None = None,
+    ) -> None:
+        self.log_dir = _check_log_dir(log_dir)
+        if (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"every_n_steps must be a positive int; got {every_n_steps!r}. "
+                "Fix: e.g. TensorBoardLogger('runs/exp1', every_n_steps=50)."
+            )
+        self.every_n_steps = every_n_steps
+        self.hparams = _check_hparams(hparams)
+        # Imported now: a missing package fails before training starts.
+        self._writer_cls, self._hparams_summaries = _tensorboard()
+        self.writer: Any = None
+        self._done = (0, 0)  # global (step, epoch) reached by the previous fits
+        self._reset(0, 0)
+
+    def _reset(self, base: int, epoch_base: int) -> None:
+        """Starts a fit at global step ``base`` and epoch ``epoch_base``."""
+        self._base, self._epoch_base = base, epoch_base
+        self._last_point = base  # global step of the latest step/ point
+        # Losses not yet read: (device tensor, batch size) per training batch.
+        self._unread: list[tuple[torch.Tensor, int]] = []
+        self._interval = [0.0, 0]  # weighted loss sum and samples since the point
+        self._epoch_sums = [0.0, 0]  # the same over the epoch in progress
+        self._sums_epoch = 0  # the epoch that _epoch_sums belongs to
+        self._peak_lr: float | None = None
+        self._batch_size: int | None = None
+        self._auto_hparams: dict = {}
+        self._tags: list[str] = []  # epoch/ tags written: the HParams metrics
+        self._t0 = time.perf_counter()
+        self._trained = False  # an epoch ended in this fit
+
+    # -- hooks -----------------------------------------------------------------
+    def on_train_begin(
+        self,
+        iteration: int,
+        step: int,
+        epoch: int,
+        n_epochs: int | None,
+        max_steps: int | None,
+        model: Any,
+        opt: Any,
+        metrics: Any,
+    ) -> None:
+        """Runs before training: opens the writer (a resumed fit purges)."""
+        if self.writer is not None:  # hooks driven by hand, without on_train_end
+            self.writer.close()
+        if iteration == 0:
+            self._reset(*self._done)
+        else:  # resumed: keep what load_state_dict restored, if it belongs here
+            self._drop_finished(self._base + step, epoch)
+        if not self._auto_hparams:
+            self._auto_hparams = _auto_hparams(model, opt, n_epochs, max_steps)
+        lr = _last_lr(opt)
+        if self._peak_lr is None and type(lr) is float:
+            self._peak_lr = lr
+        self._names = list(getattr(metrics, "names", []))
+        self._trained = False
+        self.writer = self._open_writer(purge_step=self._base + step + 1)
+
+    def on_epoch_begin(self) -> None:
+        """Runs at the start of each epoch: starts its clock."""
+        self._t0 = time.perf_counter()
+
+    def on_batch_end(
+        self,
+        train: bool,
+        step: int,
+        opt: Any,
+        last_loss: torch.Tensor,
+        last_target: Any,
+        last_input: Any,
+    ) -> None:
+        """Runs after each batch: keeps a training loss, writes at the interval."""
+        if not train:
+            return
+        size = batch_size(last_target, last_input)
+        self._unread.append((last_loss, size))  # detached by the loop
+        if self._batch_size is None:
+            self._batch_size = size
+        lr = _last_lr(opt)
+        if type(lr) is float and (self._peak_lr is None or lr > self._peak_lr):
+            self._peak_lr = lr
+        now = self._base + step
+        if now % self.every_n_steps == 0 and now > self._last_point:
+            self._write_point(now, lr)
+
+    def on_epoch_end(
+        self, epoch: int, step: int, opt: Any, last_metrics: list | None
+    ) -> None:
+        """Runs after validation: writes the epoch's scalars (one transfer)."""
+        values = self._read(last_metrics or [])
+        scalars = {"epoch": self._epoch_base + epoch}
+        total, n = self._epoch_sums
+        if n:
+            scalars["train_loss"] = total / n
+        if last_metrics is not None:
+            names = ["valid_loss", *self._names]
+            scalars |= dict(zip(names, values, strict=False))
+        scalars["lr"] = float(_last_lr(opt))
+        scalars["time"] = time.perf_counter() - self._t0
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"epoch/{name}", value, self._base + step)
+        # The HParams tab's metrics: the losses and metrics, not epoch/lr/time.
+        self._tags += [f"epoch/{k}" for k in scalars if k not in _NOT_METRICS]
+        self._tags = list(dict.fromkeys(self._tags))
+        self._epoch_sums, self._sums_epoch = [0.0, 0], epoch + 1
+        self._trained = True
+        self.writer.flush()
+
+    def on_train_end(
+        self, exception: BaseException | None, step: int, epoch: int, opt: Any
+    ) -> None:
+        """Runs at the end, also after an error: writes the hparams, closes."""
+        if self.writer is None:  # on_train_begin did not get to open it
+            return
+        now = self._base + step
+        try:
+            # After an error the device may be broken: read nothing from it.
+            if exception is None and self._trained:
+                if now > self._last_point and (self._unread or self._interval[1]):
+                    self._write_point(now, _last_lr(opt))
+                self._write_hparams(now)
+        finally:
+            self.writer.close()
+            self.writer = None
+            self._done = (now, self._epoch_base + epoch)
+
+    # -- writing ---------------------------------------------------------------
+    def _open_writer(self, purge_step: int) -> Any:
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            if not os.access(self.log_dir, os.W_OK):
+                raise PermissionError("no write permission")
+        except OSError as e:
+            raise ValueError(
+                f"log_dir {self.log_dir!r} cannot be written to ({e}). Fix: pass "
+                "a directory you can write to, or create it first."
+            ) from e
+        return self._writer_cls(self.log_dir, purge_step=purge_step)
+
+    def _read(self, extra: list = ()) -> list[float]:
+        """Moves the unread losses into the sums; returns ``extra`` as floats.
+
+        One host transfer for the losses and ``extra`` together.
+        """
+        batches, self._unread = self._unread, []
+        values = to_floats([loss for loss, _ in batches], extra)
+        for value, (_, size) in zip(values, batches, strict=False):
+            for sums in (self._interval, self._epoch_sums):
+                sums[0] += value * size
+                sums[1] += size
+        return values[len(batches) :]
+
+    def _write_point(self, now: int, lr: Any) -> None:
+        self._read()
+        total, n = self._interval
+        if n:
+            self.writer.add_scalar("step/loss", total / n, now)
+        lr = float(lr)  # a python float already, unless a tensor lr
+        self.writer.add_scalar("step/lr", lr, now)
+        self._peak_lr = lr if self._peak_lr is None else max(self._peak_lr, lr)
+        self._interval, self._last_point = [0.0, 0], now
+
+    def _write_hparams(self, now: int) -> None:
+        values = {"lr": self._peak_lr, "batch_size": self._batch_size}
+        values = {**self._auto_hparams, **values, **self.hparams}
+        values = {k: v for k, v in values.items() if v is not None}
+        # The metrics' values are the run's latest epoch/ scalars of those tags.
+        summaries = self._hparams_summaries(values, dict.fromkeys(self._tags, 0.0))
+        for summary in summaries:
+            self.writer.file_writer.add_summary(summary, now)
+
+    def _drop_finished(self, now: int, epoch: int) -> None:
+        """Keeps, of a restored state, only the sums of the interval and epoch
+        in progress: a checkpoint may be taken before this logger's hooks of
+        its batch or epoch ran, and the interrupted run then wrote them."""
+        if now % self.every_n_steps == 0:
+            self._interval = [0.0, 0]
+        self._last_point = max(self._last_point, now - now % self.every_n_steps)
+        if self._sums_epoch != epoch:
+            self._epoch_sums, self._sums_epoch = [0.0, 0], epoch
+
+    # -- saving ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a resumed fit needs, as plain python values (reads the device)."""
+        self._read()  # the unread losses become part of the sums: one transfer
+        return {k: copy.copy(getattr(self, f"_{k}")) for k in _STATE_KEYS}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what ``state_dict`` returned."""
+        missing = sorted(set(_STATE_KEYS) - state.keys())
+        if missing:
+            raise ValueError(
+                f"TensorBoardLogger.load_state_dict: the state lacks {missing}. "
+                "Fix: pass what TensorBoardLogger.state_dict() returned."
+            )
+        self._reset(state["base"], state["epoch_base"])
+        for key in _STATE_KEYS:  # copies: the fit goes on changing them
+            setattr(self, f"_{key}", copy.copy(state[key]))
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}(log_dir={self.log_dir!r}, every_n_steps={self.every_n_steps})"
+        )
+
+
+def _last_lr(opt: Any) -> Any:
+    """The lr of the last group's latest step (as it is now, before any step)."""
+    stepped = getattr(opt, "stepped", None)  # HPOptimizer notes it in step()
+    return stepped[0] if stepped else opt.param_groups[-1]["lr"]
+
+
+def _auto_hparams(
+    model: Any, opt: Any, n_epochs: int | None, max_steps: int | None
+) -> dict:
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    values = {
+        "epochs": n_epochs,
+        "max_steps": max_steps,
+        "optimizer": type(getattr(opt, "opt", opt)).__name__,
+        "model": type(model).__name__,
+    }
+    if isinstance(opt, HPOptimizer):
+        for name in ("mom", "wd"):
+            if opt.has(name):
+                values[name] = opt.get(name)[-1]
+    return values
+
+
+def _check_log_dir(log_dir: Any) -> str:
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"log_dir must be a path (str or os.PathLike); got {log_dir!r} "
+            f"({type(log_dir).__name__}). Fix: e.g. TensorBoardLogger('runs/exp1')."
+        )
+    path = os.fspath(log_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"log_dir {path!r} exists and is not a directory. Fix: pass a "
+            "directory path (one per run), e.g. 'runs/exp1'."
+        )
+    return path
+
+
+def _check_hparams(hparams: Any) -> dict:
+    if hparams is None:
+        return {}
+    if not isinstance(hparams, dict) or not all(
+        isinstance(k, str) and isinstance(v, _HPARAM_TYPES) for k, v in hparams.items()
+    ):
+        raise TypeError(
+            f"hparams must be a dict of str names to bool, int, float or str "
+            f"values; got {hparams!r}. Fix: e.g. hparams={{'dropout': 0.3}}."
+        )
+    return dict(hparams)
+
+
+def _tensorboard() -> tuple[Any, Any]:
+    """torch's ``SummaryWriter`` and its ``hparams`` summaries builder."""
+    # Imported when a logger is made: tensorboard is an optional extra, and
+    # importing it costs time that `import fitlib` should not pay.
+    try:
+        from torch.utils.tensorboard import SummaryWriter, summary
+    except ImportError as e:
+        raise ImportError(
+            "TensorBoardLogger needs the tensorboard package. Fix: pip install "
+            "fitlib[tensorboard] (or pip install tensorboard)."
+        ) from e
+    return SummaryWriter, summary.hparams
