@@ -13,16 +13,23 @@ GradientAccumulation   -30   first: decides whether this batch steps
                              fit's ``n_steps`` before schedulers read it
 MixedPrecision         -20   unscales the gradients of a step before any
                              later ``on_backward_end`` (clipping, yours)
+TrainStats             -15   the raw gradient norm: unscaled, not yet clipped
 GradientClipping       -10   clips true (unscaled) gradients right before the
                              step that uses them
+every, once, first      (=)  filters take the order of the callback they wrap
 (your callbacks)         0   see unscaled gradients; default order
 ParamScheduler,         10   set the hyper-parameters of the next step after
 OneCycleScheduler,           each optimizer step; the LR finder also stops
 LRFinder                     the sweep
 ReduceLROnPlateau       40   lowers the lr after an epoch's validation
 TerminateOnNaN          40   reads the losses at a paced check or epoch end
+EarlyStopping           45   after a plateau lowered the lr; the Recorder and
+                             the bar still show the epoch it stops after
 Recorder                50   after callbacks that change the loss or hyper-
                              params, so it records the final values
+CSVLogger,              55   after the Recorder: write each epoch's final
+TextLogger,                  values and the lr each step used
+TensorBoardLogger
 ProgressBar             60   after Recorder: shows what the epoch ended with
 ====================  =====  ================================================
 """
@@ -30,6 +37,9 @@ ProgressBar             60   after Recorder: shows what the epoch ended with
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
+from fitlib.callbacks.csv_logger import CSVLogger
+from fitlib.callbacks.early_stopping import EarlyStopping
+from fitlib.callbacks.filters import every, first, once
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.monitor import Monitor
@@ -44,10 +54,15 @@ from fitlib.callbacks.schedule import (
     exponential,
     linear,
 )
+from fitlib.callbacks.tensorboard import TensorBoardLogger
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
+from fitlib.callbacks.text_logger import TextLogger
+from fitlib.callbacks.train_stats import TrainStats
 
 __all__ = [
+    "CSVLogger",
     "Checkpoint",
+    "EarlyStopping",
     "GradientAccumulation",
     "GradientClipping",
     "LRFinder",
@@ -59,9 +74,15 @@ __all__ = [
     "Recorder",
     "ReduceLROnPlateau",
     "SuggestedLRs",
+    "TensorBoardLogger",
     "TerminateOnNaN",
+    "TextLogger",
+    "TrainStats",
     "constant",
     "cosine",
+    "every",
     "exponential",
+    "first",
     "linear",
+    "once",
 ]
