@@ -144,6 +144,10 @@ class Callback:
     """
 
     order: int = 0
+    # Whether Learner.lr_find runs this callback of learn.callbacks in its
+    # sweep: yes for what shapes a step (mixed precision, accumulation,
+    # clipping, yours); no for checkpoints, loggers, schedulers and stoppers.
+    in_lr_find: bool = True
 
     @property
     def name(self) -> str:

@@ -129,9 +129,10 @@ class TrainingShortcuts:
     ) -> SuggestedLRs:
         """Sweeps the learning rate (see ``LRFinder``); returns suggestions.
 
-        The Learner's callbacks take part (mixed precision, accumulation and
-        clipping shape the sweep; a scheduler among them would move momentum
-        too). Afterwards the model, the optimizer, the callbacks' states and
+        The Learner's callbacks take part where they shape a step (mixed
+        precision, accumulation, clipping, your own: ``Callback.in_lr_find``);
+        checkpoints, loggers, schedulers and early stopping sit it out.
+        Afterwards the model, the optimizer, the callbacks' states and
         the random number generators are as before; ``recorder.plot_lr_find()``
         plots the sweep.
 
@@ -141,7 +142,8 @@ class TrainingShortcuts:
             >>> learn.recorder.plot_lr_find()
         """
         finder = LRFinder(start_lr, end_lr, num_it, stop_div, mode)
-        had_opt, saved = self.opt is not None, _states(self.callbacks)
+        sweepers = [cb for cb in self.callbacks if _in_lr_find(cb)]
+        had_opt, saved = self.opt is not None, _states(sweepers)
         if not had_opt:
             self.create_opt(start_lr)
         extra = [ProgressBar()] if self.progress else []
@@ -152,11 +154,11 @@ class TrainingShortcuts:
                 self.loss_func,
                 self.opt,
                 self.data,
-                callbacks=[*self.callbacks, finder, *extra],
+                callbacks=[*sweepers, finder, *extra],
                 metrics=self.metrics,  # not computed (no validation), but named
             )
         finally:
-            for cb, state in zip(self.callbacks, saved, strict=True):
+            for cb, state in zip(sweepers, saved, strict=True):
                 cb.load_state_dict(state)
             if not had_opt:
                 self.opt = None
@@ -256,6 +258,11 @@ class TrainingShortcuts:
         if fp16 and "fused" in inspect.signature(self.opt_func).parameters:
             return partial(self.opt_func, fused=True)
         return self.opt_func
+
+
+def _in_lr_find(cb: Callback) -> bool:
+    """Whether ``cb`` (or the callback a filter wraps) takes part in a sweep."""
+    return getattr(getattr(cb, "callback", cb), "in_lr_find", True)
 
 
 def _is_mp(cb: Callback) -> bool:

@@ -77,6 +77,7 @@ class Checkpoint(Callback):
     """
 
     order = -100  # first: restores before others begin; saves before they act
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
         self,

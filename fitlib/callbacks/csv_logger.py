@@ -59,6 +59,7 @@ class CSVLogger(Callback):
     """
 
     order = 55  # after the callbacks that change training, and the Recorder
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(self, path: str | os.PathLike, append: bool = True) -> None:
         self.path = _check_path(path)

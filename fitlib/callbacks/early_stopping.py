@@ -68,6 +68,7 @@ class EarlyStopping(Callback):
     # first. Before the Recorder (50) and ProgressBar (60), which still record
     # and show the epoch it stops after, and after whose table it prints.
     order = 45
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
         self,

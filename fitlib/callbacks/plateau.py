@@ -59,6 +59,7 @@ class ReduceLROnPlateau(Callback):
     """
 
     order = 40  # before the Recorder (50), which records the lr each step used
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
         self,

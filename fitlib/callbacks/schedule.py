@@ -124,6 +124,7 @@ class ParamScheduler(Callback):
     """
 
     order = 10
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
         self, schedules: Mapping[str, Phases], total_steps: int | None = None

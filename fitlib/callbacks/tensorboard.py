@@ -66,6 +66,7 @@ class TensorBoardLogger(Callback):
     """
 
     order = 55
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
         self,

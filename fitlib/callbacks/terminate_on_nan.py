@@ -51,6 +51,7 @@ class TerminateOnNaN(Callback):
     """
 
     order = 40  # before Recorder (50) and ProgressBar (60) see the stop
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(self, check_every: float = 1.0) -> None:
         if (

@@ -73,6 +73,7 @@ class TextLogger(Callback):
     """
 
     order = 55  # after the callbacks that change training, and the Recorder
+    in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
         self,

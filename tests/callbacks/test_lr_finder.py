@@ -318,3 +318,18 @@ def test_a_failure_before_the_sweep_started_is_not_hidden(tmp_path):
     with pytest.raises(OSError, match="disk full") as info:
         learn.lr_find(num_it=10)
     assert not any("LRFinder" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_checkpoints_and_loggers_sit_out_the_sweep(tmp_path):
+    from fitlib.callbacks import Checkpoint, CSVLogger, every
+
+    ckpt, csv = Checkpoint(tmp_path / "ckpt"), CSVLogger(tmp_path / "log.csv")
+    learn = learner(tmp_path, callbacks=[ckpt, every(CSVLogger(tmp_path / "b.csv"), 1)])
+    learn.fit(1, lr=1e-2)  # writes a checkpoint and a CSV row
+    learn.callbacks.append(csv)
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    weights = clone_params(learn.model)
+    learn.lr_find(num_it=10)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files
+    assert not (tmp_path / "log.csv").exists()
+    assert all(map(torch.equal, weights, learn.model.parameters()))
