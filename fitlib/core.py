@@ -69,8 +69,10 @@ def iter_fit(
     """The training loop, one batch at a time: ``fit`` drains it.
 
     Yields the handler's state after each training batch (read it, do not keep
-    it). Closing the generator (``break`` out of a ``for``) ends training
-    cleanly: ``on_train_end(None)`` runs. Arguments as for ``fit``.
+    it). Closing the generator ends training cleanly: ``on_train_end(None)``
+    runs. A ``break`` out of a ``for`` closes it when nothing else refers to
+    it; if you keep it in a variable, call its ``close()`` (until then the
+    Ctrl-C handler of the loop stays installed). Arguments as for ``fit``.
 
     Example:
         >>> for state in iter_fit(None, model, loss_func, opt, data, max_steps=50):
@@ -250,7 +252,7 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
             )
         yield to_device(batch[0], device), to_device(batch[1], device)
         n += 1
-    if n == 0:
+    if n == 0 and len_or_none(dl) is None:  # a sized one was checked before
         raise ValueError(
             f"{name} yielded no batches; fitlib needs at least one. Fix: check "
             "the dataset's length, and drop_last=True with a dataset smaller "

@@ -13,39 +13,57 @@ Resuming (``resume=True``, the default) finds the newest checkpoint in
 ``dirpath`` when the fit begins. For a checkpoint taken inside an epoch it
 sets the RNG states of that epoch's start, draws the batches again and skips
 those already trained on (so shuffling, and augmentation in DataLoader
-workers, replay exactly), then sets the RNG states of the checkpoint. The run
-then ends with the same weights, bit for bit, as a run that never stopped:
+workers, replay exactly), then sets the RNG states of the moment before the
+next batch was loaded. The run then ends with the same weights, bit for bit,
+as a run that never stopped:
 
 - covered: shuffled DataLoaders (with or without ``generator=``, with or
-  without workers), dropout and any torch/numpy/python randomness in the
-  main process, the optimizer's state, schedulers, mixed precision's loss
-  scale, gradient accumulation (checkpoints fall between two steps), the
-  Recorder's history;
+  without workers), augmentation and dropout drawing from the torch, numpy
+  or python global generators, the optimizer's state, schedulers, mixed
+  precision's loss scale, gradient accumulation (checkpoints fall between two
+  steps), the Recorder's history, loggers' partial sums;
 - not covered: random augmentation that runs in the main process
   (``num_workers=0``) *and* draws from its own generator object that fitlib
   does not know; nondeterministic GPU kernels (set
   ``torch.use_deterministic_algorithms(True)`` for bit-exact CUDA runs); a
   loader without a length (there, ``every_n_steps`` is refused: resume at
   epoch boundaries with ``every_n_epochs``); a different number of DataLoader
-  workers than the run that saved.
+  workers than the run that saved; a different script (epochs, schedule).
+
+A run that reaches its end (its epochs or ``max_steps``, or a callback's
+``stop_training``) writes a final checkpoint marked finished; rerunning then
+trains nothing. Its weights are those of the last step: ``EarlyStopping
+(restore_best=True)`` restores the best ones after it (``monitor`` keeps
+them in ``best.pth``). A ``fit_iter`` closed between two steps leaves a
+checkpoint to resume from; an exception or Ctrl-C leaves the last regular
+one (it may have cut a step in two). Only the first fit of a ``Checkpoint``
+object resumes: a second fit in the same process starts anew.
 
 Files are written atomically (temporary file, fsync, rename, fsync of the
 directory): killing the process at any moment leaves the previous checkpoint
-loadable. Files: ``checkpoint-<iteration>.pth`` (the newest ``keep_last``,
-counting files of earlier runs) and ``best.pth`` (with ``monitor``).
+loadable. Files: ``checkpoint-<number>.pth``, numbered after the newest in
+``dirpath`` whichever run wrote it (the newest ``keep_last`` are kept), and
+``best.pth`` (with ``monitor``).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
+from fitlib.callbacks.resume import (
+    Position,
+    Resumed,
+    check_interval,
+    check_writable,
+    final_position,
+    load_callbacks,
+    remove_temporaries,
+)
 from fitlib.core import len_or_none
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import atomic_save, load_model_state, safe_load
@@ -92,7 +110,7 @@ class Checkpoint(Callback):
     ) -> None:
         if every_n_epochs is _DEFAULT:
             every_n_epochs = None if every_n_steps is not None else 1
-        _check_interval(every_n_epochs, every_n_steps)
+        check_interval(every_n_epochs, every_n_steps)
         if (
             isinstance(keep_last, bool)
             or not isinstance(keep_last, int)
@@ -103,21 +121,28 @@ class Checkpoint(Callback):
                 f"{keep_last!r}. Fix: e.g. keep_last=3."
             )
         self.dirpath = Path(dirpath)
-        _check_writable(self.dirpath)
+        check_writable(self.dirpath)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.keep_last, self.save_best, self.resume = keep_last, save_best, resume
+        if monitor == "train_loss":
+            raise ValueError(
+                "Checkpoint keeps the best checkpoint by a validation value; "
+                "monitor='train_loss' would judge by the training loss alone. "
+                "Fix: monitor='valid_loss' or a metric's name."
+            )
         owner = "Checkpoint"
         self.monitor = None if monitor is None else Monitor(monitor, mode, 0.0, owner)
         self.saved: list[Path] = []  # what this fit wrote, oldest first
         self._resume: dict | None = None  # a loaded checkpoint being resumed
         self._due = False
+        self._fits = 0  # only the first fit of a process resumes
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(
         self, model: Any, opt: Any, data: Any, metrics: Any, callbacks: list
     ) -> dict | None:
         """Runs first: checks the directory; resumes from the newest checkpoint."""
-        _check_writable(self.dirpath)
+        check_writable(self.dirpath)
         if self.every_n_steps and len_or_none(data.train_dl) is None:
             raise ValueError(
                 "Checkpoint(every_n_steps=...) needs a train_dl with a length, to "
@@ -130,8 +155,11 @@ class Checkpoint(Callback):
         self._model, self._opt, self._loader = model, opt, data.train_dl
         self._others = [cb for cb in callbacks if cb is not self]
         self._due, self._resume, self._epoch_rng = False, None, None
-        _remove_temporaries(self.dirpath)
-        newest = self.checkpoints()[-1:] if self.resume else []
+        self._rng_before_fetch: dict | None = None
+        remove_temporaries(self.dirpath)
+        # A later fit of this object continues the process, not a crashed run.
+        newest = self.checkpoints()[-1:] if self.resume and not self._fits else []
+        self._fits += 1
         return self._load(newest[0]) if newest else None
 
     def on_epoch_begin(
@@ -142,21 +170,23 @@ class Checkpoint(Callback):
             return self._resume_epoch(data)
         every = self.every_n_epochs
         if self._due or (every and epoch and epoch % every == 0):
-            self._save(_Position(epoch, 0, iteration, step))
+            self._save(Position(epoch, 0, iteration, step))
         self._epoch_rng = get_rng_state(self._loader)  # decides this epoch's order
         return None
 
     def on_batch_begin(
         self, train: bool, epoch: int, num_batch: int, iteration: int, step: int
     ) -> None:
-        """Runs first for each batch: restores RNG after a resume, or saves."""
-        if not train:
-            return
-        if self._resume is not None:  # the first batch after a mid-epoch resume
-            set_rng_state(self._resume["rng"], self._loader)
-            self._resume = None
-        elif self._due:  # after a step: no gradients are half accumulated
-            self._save(_Position(epoch, num_batch, iteration, step))
+        """Runs first for each batch: saves when a checkpoint is due."""
+        if train and self._due:  # after a step: no gradients half accumulated
+            self._save(Position(epoch, num_batch, iteration, step))
+
+    def on_batch_end(self, train: bool) -> None:
+        """Runs first after each batch: notes the RNG before the next is loaded."""
+        # A save at the next batch's start comes after that batch was fetched,
+        # which may draw random numbers (augmentation): resume from before it.
+        if train and self._due:
+            self._rng_before_fetch = get_rng_state(self._loader)
 
     def on_step_end(self, skip_step: bool, step: int) -> None:
         """Runs after each step: a checkpoint falls due every n steps."""
@@ -175,17 +205,20 @@ class Checkpoint(Callback):
         if self.monitor is not None and self.save_best:
             value = self.monitor.read(last_metrics)
             if value is not None and self.monitor.update(value):
-                where = _Position(epoch + 1, 0, iteration, step)
+                where = Position(epoch + 1, 0, iteration, step)
                 self._write(self.dirpath / "best.pth", where)
         original = getattr(data, "resumed_from", None)
         return {"data": original} if original is not None else None
 
-    def on_train_end(
-        self, exception: BaseException | None, epoch: int, iteration: int, step: int
-    ) -> None:
-        """Runs at the end: a final checkpoint marks a run that ended normally."""
-        if exception is None and getattr(self, "_model", None) is not None:
-            self._save(_Position(epoch, 0, iteration, step, finished=True))
+    def on_train_end(self, **state: Any) -> None:
+        """Runs at the end: a final checkpoint marks a run that reached its end;
+        one stopped cleanly between batches (a closed ``fit_iter``) gets a
+        checkpoint to resume from."""
+        if getattr(self, "_model", None) is not None:
+            where = final_position(state)
+            if where is not None:
+                self._rng_before_fetch = get_rng_state(self._loader)  # none fetched
+                self._save(where)
         self._model = self._opt = None  # no references kept between fits
 
     # -- files -----------------------------------------------------------------
@@ -195,15 +228,19 @@ class Checkpoint(Callback):
                  if (m := _NAME.fullmatch(p.name))]  # fmt: skip
         return [p for _, p in sorted(found)]
 
-    def _save(self, where: _Position) -> None:
-        path = self.dirpath / f"checkpoint-{where.iteration:09d}.pth"
+    def _save(self, where: Position) -> None:
+        # Numbered after the newest file, whichever run wrote it: the newest
+        # is always the highest number, and keep_last drops the lowest.
+        newest = self.checkpoints()[-1:]
+        number = int(_NAME.fullmatch(newest[0].name)[1]) + 1 if newest else 0
+        path = self.dirpath / f"checkpoint-{number:06d}.pth"
         self._write(path, where)
         self.saved.append(path)
         self._due = False
         for old in self.checkpoints()[: -self.keep_last]:
             old.unlink(missing_ok=True)
 
-    def _write(self, path: Path, where: _Position) -> None:
+    def _write(self, path: Path, where: Position) -> None:
         atomic_save(
             {
                 "fitlib_checkpoint": 1,
@@ -212,7 +249,11 @@ class Checkpoint(Callback):
                 "callbacks": [[cb.name, cb.state_dict()] for cb in self._others],
                 "monitor": self.monitor.state_dict() if self.monitor else None,
                 "position": where._asdict(),
-                "rng": get_rng_state(self._loader),
+                # Inside an epoch: the RNG before its next batch was loaded.
+                "rng": self._rng_before_fetch
+                if where.num_batch
+                else get_rng_state(self._loader),
+                "opt_class": type(getattr(self._opt, "opt", self._opt)).__name__,
                 # Inside an epoch: what decided its order, to draw it again.
                 "epoch_rng": self._epoch_rng if where.num_batch else None,
             },
@@ -228,8 +269,15 @@ class Checkpoint(Callback):
                 "of the checkpoint directory, or use another dirpath."
             )
         load_model_state(self._model, saved["model"], repr(str(path)))
+        opt_class = type(getattr(self._opt, "opt", self._opt)).__name__
+        if saved["opt_class"] != opt_class:
+            raise ValueError(
+                f"{str(path)!r} was saved with optimizer {saved['opt_class']}, "
+                f"this fit uses {opt_class}: its state cannot continue. Fix: use "
+                f"{saved['opt_class']}, or Checkpoint(resume=False)."
+            )
         self._opt.load_state_dict(saved["opt"])
-        _load_callbacks(self._others, saved["callbacks"], path)
+        load_callbacks(self._others, saved["callbacks"], path)
         if self.monitor is not None and saved["monitor"] is not None:
             self.monitor.load_state_dict(saved["monitor"])
         pos = saved["position"]
@@ -241,7 +289,10 @@ class Checkpoint(Callback):
                 "anew."
             )
             self._model = None  # nothing trained: no final checkpoint either
-            return {"stop_training": True}
+            # The finished run's position: callbacks see a resumed fit and
+            # keep their restored state (logs are not started anew).
+            done = {k: pos[k] for k in ("epoch", "iteration", "step")}
+            return {**done, "stop_training": True}
         print(
             f"fitlib: Checkpoint: resuming from {path.name} (epoch {pos['epoch']}, "
             f"batch {pos['num_batch']}, step {pos['step']})."
@@ -259,94 +310,14 @@ class Checkpoint(Callback):
             return None
         set_rng_state(saved["epoch_rng"], self._loader)
         self._epoch_rng = saved["epoch_rng"]
-        batches = iter(data.train_dl)  # the epoch's order, drawn again
-        for _ in range(done):
-            next(batches)
         left = len(data.train_dl) - done
-        return {"data": _Resumed(data, batches, left), "num_batch": done}
+        # The epoch's order, drawn again (unless its training was all done).
+        batches = iter(data.train_dl) if left else iter(())
+        for _ in range(done if left else 0):
+            next(batches)
+        set_rng_state(saved["rng"], self._loader)  # as before the next fetch
+        self._resume = None
+        return {"data": Resumed(data, batches, left), "num_batch": done}
 
     def __repr__(self) -> str:
         return f"{self.name}({str(self.dirpath)!r})"
-
-
-class _Position(NamedTuple):
-    """Where the loop stands: the next epoch and batch to train, and counts."""
-
-    epoch: int
-    num_batch: int
-    iteration: int
-    step: int
-    finished: bool = False
-
-
-class _Resumed:
-    """The data of a resumed epoch: its remaining batches, drawn already."""
-
-    def __init__(self, data: Any, batches: Iterator, left: int) -> None:
-        self.resumed_from, self.valid_dl = data, getattr(data, "valid_dl", None)
-        self.train_dl = _Remaining(batches, left)
-
-
-class _Remaining:
-    def __init__(self, batches: Iterator, left: int) -> None:
-        self.batches, self.left = batches, left
-
-    def __len__(self) -> int:
-        return self.left
-
-    def __iter__(self) -> Iterator:
-        return self.batches
-
-
-def _load_callbacks(callbacks: list[Callback], states: list, path: Path) -> None:
-    """Gives each saved state to the callback of the same class, in order."""
-    waiting = list(callbacks)
-    for name, state in states:
-        cb = next((cb for cb in waiting if cb.name == name), None)
-        if cb is not None:
-            cb.load_state_dict(state)
-            waiting.remove(cb)
-    stateful = [cb.name for cb in waiting if cb.state_dict()]
-    if stateful:
-        raise ValueError(
-            f"{str(path)!r} holds no state for callback(s) {stateful}, which this "
-            "fit has: resuming would not continue the same run. Fix: run with "
-            "the callbacks of the run that saved, or Checkpoint(resume=False)."
-        )
-
-
-def _check_interval(every_n_epochs: Any, every_n_steps: Any) -> None:
-    if (every_n_epochs is None) == (every_n_steps is None):
-        got = "neither" if every_n_epochs is None else "both"
-        raise ValueError(
-            f"Checkpoint needs exactly one of every_n_epochs and every_n_steps; "
-            f"got {got}. Fix: e.g. Checkpoint(dir, every_n_epochs=1) or "
-            "Checkpoint(dir, every_n_steps=500)."
-        )
-    for name, n in (
-        ("every_n_epochs", every_n_epochs),
-        ("every_n_steps", every_n_steps),
-    ):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(
-                f"{name} must be an int >= 1; got {n!r}. Fix: e.g. {name}=1."
-            )
-
-
-def _check_writable(dirpath: Path) -> None:
-    """Raises before training when ``dirpath`` cannot hold checkpoints."""
-    try:
-        dirpath.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=dirpath):
-            pass
-    except OSError as e:
-        raise ValueError(
-            f"Checkpoint: cannot write in {str(dirpath)!r} ({e.strerror or e}). "
-            "Fix: pass a directory you can write to."
-        ) from e
-
-
-def _remove_temporaries(dirpath: Path) -> None:
-    """Half-written files of a killed run (never a checkpoint: see atomic_save)."""
-    for tmp in dirpath.glob(".*.pth.*.tmp"):
-        tmp.unlink(missing_ok=True)

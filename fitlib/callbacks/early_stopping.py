@@ -106,7 +106,7 @@ class EarlyStopping(Callback):
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, iteration: int, metrics: Any, data: Any) -> None:
         """Runs before training: checks the monitor; a new fit resets."""
-        self.monitor.start(metrics, data)
+        self.monitor.start(metrics, data, resumed=iteration > 0)
         if iteration == 0:
             self.reset()
         self._stopped_now = False

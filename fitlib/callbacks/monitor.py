@@ -92,6 +92,8 @@ class Monitor:
         self._index = 0  # where the value sits in last_metrics
         self._losses: list[torch.Tensor] = []
         self._sizes: list[int] = []
+        # (loss sum, samples) of the epoch so far from before a resume.
+        self._carry: tuple[float, int] = (0.0, 0)
         self.reset()
 
     @property
@@ -103,8 +105,11 @@ class Monitor:
         """Forgets the best value (a new run starts)."""
         self.best = math.inf if self.mode == "min" else -math.inf
 
-    def start(self, metrics: Any, data: Any = None) -> None:
+    def start(self, metrics: Any, data: Any = None, resumed: bool = False) -> None:
         """Checks, before training, that the value will exist; clears the batches.
+
+        A ``resumed`` fit keeps the part of the epoch's ``train_loss`` that
+        ``load_state_dict`` restored.
 
         Raises a ValueError listing the names that exist when it does not,
         or when ``data`` has no ``valid_dl`` to compute a validation value on.
@@ -126,6 +131,8 @@ class Monitor:
         in_metrics = self.name in metric_names and self.name != "valid_loss"
         self._index = 1 + metric_names.index(self.name) if in_metrics else 0
         self._losses, self._sizes = [], []
+        if not resumed:
+            self._carry = (0.0, 0)
 
     def add_batch(self, loss: torch.Tensor, size: int) -> None:
         """Keeps a training batch's detached loss and size (no device op)."""
@@ -141,10 +148,12 @@ class Monitor:
         """
         if self.needs_train_loss:
             losses, sizes = self._losses, self._sizes
+            (carried, count), self._carry = self._carry, (0.0, 0)
             self._losses, self._sizes = [], []
-            if not losses:
+            if not losses and not count:
                 return None
-            return to_floats([weighted_sum(losses, sizes) / sum(sizes)])[0]
+            total = to_floats([weighted_sum(losses, sizes)])[0] if losses else 0.0
+            return (carried + total) / (count + sum(sizes))
         if last_metrics is None:
             return None
         return to_floats([], [last_metrics[self._index]])[0]
@@ -163,12 +172,20 @@ class Monitor:
         return improved
 
     def state_dict(self) -> dict:
-        """The best value, and what it is the best of (plain values)."""
-        return {"monitor": self.name, "mode": self.mode, "best": self.best}
+        """The best value, what it is the best of, and (``train_loss``) the
+        sum and count of the epoch's losses so far (one host transfer)."""
+        state = {"monitor": self.name, "mode": self.mode, "best": self.best}
+        if self.needs_train_loss:
+            losses, sizes = self._losses, self._sizes
+            total = to_floats([weighted_sum(losses, sizes)])[0] if losses else 0.0
+            carried, count = self._carry
+            state["partial"] = [carried + total, count + sum(sizes)]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``; refuses the state of another quantity."""
-        if not isinstance(state, dict) or set(state) != {"monitor", "mode", "best"}:
+        keys = {"monitor", "mode", "best"}
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"partial"}:
             raise ValueError(
                 f"{self.owner}: expected the dict Monitor.state_dict() returns "
                 f"(keys 'best', 'mode', 'monitor'); got {state!r}."
@@ -180,6 +197,8 @@ class Monitor:
                 f"({self.mode!r}). Fix: create it with the same monitor and mode."
             )
         self.best = float(state["best"])
+        total, count = state.get("partial", (0.0, 0))
+        self._carry, self._losses, self._sizes = (float(total), int(count)), [], []
 
     def __repr__(self) -> str:
         return (

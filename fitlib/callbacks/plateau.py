@@ -95,7 +95,7 @@ class ReduceLROnPlateau(Callback):
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, iteration: int, opt: Any, metrics: Any, data: Any) -> None:
         """Runs before training: checks the monitor and min_lr; a new fit resets."""
-        self.monitor.start(metrics, data)
+        self.monitor.start(metrics, data, resumed=iteration > 0)
         self._min_lrs(len(opt.param_groups))  # raises now, not at the 1st reduction
         if iteration == 0:  # a resumed fit keeps what load_state_dict restored
             self.reset()

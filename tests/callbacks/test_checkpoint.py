@@ -35,11 +35,10 @@ def learner(callbacks=(), model=None, workers=0, seed=0, **kwargs):
         data,
         model,
         F.cross_entropy,
-        opt_func=torch.optim.SGD,
         metrics=[accuracy],
         progress=False,
         callbacks=list(callbacks),
-        **kwargs,
+        **{"opt_func": torch.optim.SGD, **kwargs},
     )
 
 
@@ -157,13 +156,20 @@ def test_killed_at_random_moments_with_sigkill_the_run_still_ends_identical(tmp_
 
 
 # -- files -------------------------------------------------------------------------
-def test_keeps_the_last_n_counting_files_of_earlier_runs(tmp_path):
-    (tmp_path / "checkpoint-000000000.pth").write_bytes(b"old run")
-    learn = learner([Checkpoint(tmp_path, every_n_steps=2, keep_last=3, resume=False)])
-    learn.fit(2, lr=0.05)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["checkpoint-000000010.pth", "checkpoint-000000012.pth",
-                     "checkpoint-000000014.pth"]  # fmt: skip
+def test_keeps_the_newest_n_counting_files_of_earlier_runs(tmp_path, capsys):
+    learner([Checkpoint(tmp_path, keep_last=2)]).fit(4, lr=0.05)  # saves 0-3
+    assert [p.name for p in Checkpoint(tmp_path).checkpoints()] == [
+        "checkpoint-000002.pth",
+        "checkpoint-000003.pth",
+    ]
+    second = learner([Checkpoint(tmp_path, keep_last=2, resume=False)])
+    second.fit(2, lr=0.05)  # a new run in the same directory: saves 4, 5
+    assert [p.name for p in Checkpoint(tmp_path).checkpoints()] == [
+        "checkpoint-000004.pth",
+        "checkpoint-000005.pth",
+    ]
+    learner([Checkpoint(tmp_path)]).fit(2, lr=0.05)  # resumes the newest run
+    assert "already finished (epoch 2" in capsys.readouterr().out
 
 
 def test_a_finished_run_says_so_and_trains_nothing(tmp_path, capsys):
@@ -250,3 +256,112 @@ def test_a_monitor_that_never_appears_lists_the_names(tmp_path):
     with pytest.raises(ValueError, match="valid_loss"):
         learn.fit(1, lr=0.05)
     assert learn.recorder.losses == []
+
+
+# -- found by review ---------------------------------------------------------------
+class Noisy(torch.utils.data.Dataset):
+    """Augmentation in the main process: each item draws fresh noise."""
+
+    def __init__(self):
+        self.base = make_dataset(100)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.1 * torch.randn(8), y
+
+
+def test_resume_is_exact_with_augmentation_in_the_main_process(tmp_path):
+    def make(cbs):
+        learn = learner(cbs)
+        learn.data.train_dl = DataLoader(Noisy(), 16, shuffle=True)
+        return learn
+
+    ref = make([])
+    ref.fit(3, lr=0.05)
+    resumed = train_with_crashes(
+        tmp_path, [4, 12], make, lambda learn: learn.fit(3, lr=0.05), every_n_steps=3
+    )
+    assert same_run(ref, resumed)
+
+
+def test_two_fits_with_one_checkpoint_object_both_train(tmp_path):
+    ckpt = Checkpoint(tmp_path)
+    learn = learner([ckpt])
+    learn.fit(2, lr=0.05)
+    learn.fit(3, lr=0.05)
+    assert learn.recorder.epochs == [0, 1, 2, 3, 4]
+
+
+def test_a_closed_fit_iter_leaves_a_checkpoint_to_resume_from(tmp_path):
+    learn = learner([Checkpoint(tmp_path)])
+    for snap in learn.fit_iter(n_steps=20, every=5):
+        if snap.step == 10:
+            break
+    again = learner([Checkpoint(tmp_path)])
+    steps = [snap.step for snap in again.fit_iter(n_steps=20, every=5)]
+    assert steps == [15, 20]
+    ref = learner()
+    list(ref.fit_iter(n_steps=20, every=5))
+    assert same_run(ref, again)
+
+
+def test_rerunning_a_finished_run_leaves_its_logs_alone(tmp_path):
+    from fitlib.callbacks import CSVLogger
+
+    def run():
+        csv = CSVLogger(tmp_path / "log.csv", append=False)
+        learner([Checkpoint(tmp_path / "ckpt"), csv]).fit(3, lr=0.05)
+        return (tmp_path / "log.csv").read_text()
+
+    first = run()
+    assert len(first.splitlines()) == 4 and run() == first
+
+
+def test_resume_is_exact_with_a_plateau_on_the_train_loss(tmp_path):
+    from fitlib.callbacks import ReduceLROnPlateau
+
+    def make(cbs):
+        return learner([*cbs, ReduceLROnPlateau("train_loss", min_delta=0.05)])
+
+    ref = make([])
+    ref.fit(4, lr=0.1)
+    resumed = train_with_crashes(
+        tmp_path, [10], make, lambda learn: learn.fit(4, lr=0.1), every_n_steps=3
+    )
+    assert same_run(ref, resumed)
+    assert resumed.callbacks[-1].reductions == ref.callbacks[-1].reductions
+
+
+def test_the_best_checkpoint_is_judged_by_validation(tmp_path):
+    with pytest.raises(ValueError, match="monitor='valid_loss' or a metric"):
+        Checkpoint(tmp_path, monitor="train_loss")
+
+
+def test_a_checkpoint_of_another_optimizer_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError):
+        learner([Checkpoint(tmp_path, every_n_steps=2), Crash(3)]).fit(2, lr=0.05)
+    adam = learner([Checkpoint(tmp_path)], opt_func=torch.optim.Adam)
+    with pytest.raises(
+        ValueError, match="saved with optimizer SGD, this fit uses Adam"
+    ):
+        adam.fit(2, lr=0.05)
+
+
+def test_atomic_save_fsyncs_the_file_and_the_directory(tmp_path, monkeypatch):
+    from fitlib.serialization import atomic_save
+
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    path = atomic_save({"w": torch.ones(1)}, tmp_path / "a.pth")
+    assert len(synced) == 2
+    assert synced[0].endswith(".tmp") and synced[1] == str(tmp_path)
+    assert path.exists()
