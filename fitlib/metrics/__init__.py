@@ -8,12 +8,11 @@ do ``Metric`` subclasses (class or instance) and torchmetrics ``Metric`` objects
 from fitlib.metrics.accumulate import (
     AvgMetric,
     Metric,
-    Metrics,
     accumulation_dtype,
-    as_metric,
     weighted_sum,
 )
 from fitlib.metrics.classification import F1Score, FBeta
+from fitlib.metrics.collection import Metrics, as_metric
 from fitlib.metrics.functions import accuracy, error_rate, mae, mse, top_k_accuracy
 from fitlib.metrics.regression import RMSE, R2Score
 

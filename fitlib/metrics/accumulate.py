@@ -2,16 +2,20 @@
 
 ``update`` never forces a host-device sync (the loop keeps queueing batches);
 only the final values reach Python, once per epoch, through the caller.
+
+Across processes (distributed validation, each process holding a shard of the
+set), every metric gives its state as ``sums()``: tensors that add up over the
+processes. ``load_sums`` takes their element-wise total, and ``compute()``
+then gives the value over the whole set. ``Metrics.reduce`` does the adding.
 """
 
 import re
 from collections.abc import Callable
-from typing import NoReturn
 
 import torch
 from torch import Tensor
 
-from fitlib.errors import describe, name_of, reraise
+from fitlib.errors import name_of
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -44,6 +48,10 @@ class Metric:
 
     Subclasses set `name` and implement `reset`, `update` (once per batch,
     device-side only, never a host sync) and `compute` (a 0-dim device tensor).
+    To take part in distributed validation they also implement `sums` and
+    `load_sums`, such that `compute()` after `load_sums(total)`, where `total`
+    is the element-wise sum of every process's `sums()`, equals `compute()` of
+    one metric updated with all the data.
 
     Example:
         >>> isinstance(as_metric(accuracy), Metric)
@@ -63,6 +71,41 @@ class Metric:
 
     def compute(self) -> Tensor:
         raise NotImplementedError
+
+    def sums(self) -> list[Tensor]:
+        """This process's state as tensors that add up across processes."""
+        raise NotImplementedError(self._no_sums())
+
+    def load_sums(self, sums: list[Tensor]) -> None:
+        """Replaces the state by `sums()` summed over every process.
+
+        `sums` has the shapes `sums()` gave, in the accumulation dtype; the
+        next call is `compute()` (or `reset()`).
+        """
+        raise NotImplementedError(self._no_sums())
+
+    def check_sums(self) -> None:
+        """Raises a TypeError, before any data, if `sums` cannot work."""
+        own = type(self)
+        if own.sums is Metric.sums or own.load_sums is Metric.load_sums:
+            raise TypeError(self._no_sums())
+
+    def _no_sums(self) -> str:
+        return (
+            f"{type(self).__name__} cannot be summed across processes: it does "
+            "not implement sums() and load_sums(). Fix: implement them "
+            "(sums() returns the state as tensors that add up over processes, "
+            "e.g. [sum_of_values, count]; load_sums(totals) puts the totals "
+            "back for compute()), or leave this metric out of distributed runs."
+        )
+
+    def _no_local_data(self) -> RuntimeError:
+        return RuntimeError(
+            f"{self.name} has no data in this process, so the size of its state "
+            "is unknown and it cannot be summed across processes. Fix: give "
+            "every process at least one validation batch (fewer processes, or "
+            "more validation data)."
+        )
 
     def _no_data(self) -> RuntimeError:
         return RuntimeError(
@@ -89,6 +132,7 @@ class AvgMetric(Metric):
     def reset(self) -> None:
         self.values: list[Tensor] = []  # batch means, summed in compute()
         self.sizes: list[int] = []
+        self.total: list[Tensor] | None = None  # [sum, count] from load_sums
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         ref = targets[0] if targets and targets[0].ndim > 0 else output
@@ -109,25 +153,45 @@ class AvgMetric(Metric):
         self.sizes.append(n)
 
     def compute(self) -> Tensor:
+        if self.total is not None:
+            return self.total[0] / self.total[1]
         if not self.values:
             raise self._no_data()
         return weighted_sum(self.values, self.sizes) / sum(self.sizes)
+
+    def sums(self) -> list[Tensor]:
+        if not self.values:  # the shape is known: take part with zeros
+            return [torch.zeros(2, dtype=torch.float64)]
+        total = weighted_sum(self.values, self.sizes)
+        # A fill, not a host-to-device copy of the count (which would wait).
+        return [torch.stack([total, total.new_full((), sum(self.sizes))])]
+
+    def load_sums(self, sums: list[Tensor]) -> None:
+        self.reset()
+        self.total = list(sums[0].unbind())
 
 
 class _TorchMetricAdapter(Metric):
     """Wraps a torchmetrics.Metric, moved to the output's device on update.
 
     torchmetrics checks its inputs with a host sync unless built with
-    `validate_args=False`.
+    `validate_args=False`. Its `sums()` are its states, which must all be
+    tensors that torchmetrics itself reduces by summing (counts, sums of
+    errors); list states ("cat": AUROC without thresholds...) cannot be summed.
+    torchmetrics also syncs its states itself in `compute()` when a process
+    group is initialized; after `load_sums` the states already cover every
+    process, so that second sync is turned off for that `compute()`.
     """
 
     def __init__(self, metric: object) -> None:
         self.metric = metric
         self.name = _snake_case(type(metric).__name__)
         self.device: torch.device | None = None
+        self.summed = False  # states hold every process's total (load_sums)
 
     def reset(self) -> None:
         self.metric.reset()
+        self.summed = False
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         if output.device != self.device:
@@ -136,114 +200,50 @@ class _TorchMetricAdapter(Metric):
         self.metric.update(output, *targets)
 
     def compute(self) -> Tensor:
-        return self.metric.compute()
-
-
-def _bad_metric(m: object, why: str) -> TypeError:
-    return TypeError(
-        f"metrics: cannot use {m!r} (type {type(m).__name__}) as a metric: {why}. "
-        "Fix: pass a function f(output, *targets) -> batch mean, a fitlib Metric "
-        "(instance or class) or a torchmetrics.Metric instance."
-    )
-
-
-def _is_torchmetric(m: object) -> bool:
-    return all(callable(getattr(m, a, None)) for a in ("update", "compute", "reset"))
-
-
-def as_metric(m: object) -> Metric:
-    """Turn anything accepted in `metrics=[...]` into a `Metric`.
-
-    Example:
-        >>> as_metric(accuracy).name, as_metric(RMSE).name
-        ('accuracy', 'rmse')
-    """
-    if isinstance(m, Metric):
-        return m
-    if isinstance(m, type):
-        if not issubclass(m, Metric):
-            raise _bad_metric(m, "it is a class; pass an instance")
+        if not self.summed:
+            return self.metric.compute()
+        # torchmetrics asks this function whether to gather its states over
+        # the processes: they are gathered already, so it must say no.
+        saved = self.metric.distributed_available_fn
+        self.metric.distributed_available_fn = _no_process_group
         try:
-            return m()
-        except TypeError as e:
-            raise _bad_metric(m, f"it needs arguments ({e}); pass an instance") from e
-    if _is_torchmetric(m):
-        return _TorchMetricAdapter(m)
-    if callable(m):
-        return AvgMetric(m)
-    raise _bad_metric(m, "it is not callable")
+            return self.metric.compute()
+        finally:
+            self.metric.distributed_available_fn = saved
 
+    def sums(self) -> list[Tensor]:
+        return [getattr(self.metric, k) for k in self._state_names()]
 
-def _unique(names: list[str]) -> list[str]:
-    out: list[str] = []
-    for name in names:
-        i, new = 1, name
-        while new in out:
-            i, new = i + 1, f"{name}_{i + 1}"
-        out.append(new)
-    return out
+    def load_sums(self, sums: list[Tensor]) -> None:
+        for k, total in zip(self._state_names(), sums, strict=True):
+            # Integer counts are exact in the float accumulation dtype.
+            setattr(self.metric, k, total.to(getattr(self.metric, k).dtype))
+        self.summed = True
 
+    def check_sums(self) -> None:
+        self._state_names()
 
-class Metrics:
-    """The list of metrics of one run; what `core.validate` uses.
-
-    Example:
-        >>> ms = Metrics([accuracy, accuracy])
-        >>> ms.names
-        ['accuracy', 'accuracy_2']
-        >>> ms.update(torch.tensor([[0.0, 1.0]]), (torch.tensor([1]),))
-        >>> ms.compute()
-        [tensor(1., dtype=torch.float64), tensor(1., dtype=torch.float64)]
-    """
-
-    def __init__(self, metrics: list | None) -> None:
-        if metrics is None:
-            metrics = []
-        if not isinstance(metrics, (list, tuple)):
-            got = f"{describe(metrics)} ({type(metrics).__name__})"
+    def _state_names(self) -> list[str]:
+        states = self.metric.metric_state
+        reductions = getattr(self.metric, "_reductions", {})
+        for k, v in states.items():
+            how = getattr(reductions.get(k), "__name__", None)
+            if not isinstance(v, Tensor) or how != "dim_zero_sum":
+                raise TypeError(
+                    f"{type(self.metric).__name__} cannot be summed across "
+                    f"processes: its state {k!r} is a {type(v).__name__} reduced "
+                    f"by {how}, not a tensor reduced by sum. Fix: use a variant "
+                    "with count states (e.g. thresholds=... for AUROC), a fitlib "
+                    "metric, or leave it out of distributed runs."
+                )
+        if not states:
             raise TypeError(
-                f"metrics must be a list, got {got}. Fix: metrics=[accuracy, ...]."
+                f"{type(self.metric).__name__} has no states of its own (a "
+                "composition or collection of metrics?), so fitlib cannot sum "
+                "it across processes. Fix: pass each torchmetrics metric alone."
             )
-        self.metrics = [as_metric(m) for m in metrics]
-        self.names: list[str] = _unique([m.name for m in self.metrics])
-
-    def reset(self) -> None:
-        for m in self.metrics:
-            m.reset()
-
-    def update(self, output: Tensor, targets: tuple) -> None:
-        if not isinstance(targets, (tuple, list)):
-            raise TypeError(f"targets must be a tuple, got {describe(targets)}.")
-        for name, m in zip(self.names, self.metrics, strict=True):
-            try:
-                m.update(output, *targets)
-            except Exception as e:
-                where = f"on output {describe(output)} and targets {describe(targets)}"
-                _reraise(name, where, e)
-
-    def compute(self) -> list[Tensor]:
-        values = []
-        for name, m in zip(self.names, self.metrics, strict=True):
-            try:
-                values.append(m.compute())
-            except Exception as e:
-                _reraise(name, "in compute()", e)
-        return values
-
-    def __len__(self) -> int:
-        return len(self.metrics)
-
-    def __bool__(self) -> bool:
-        return bool(self.metrics)
+        return list(states)
 
 
-def _reraise(name: str, where: str, e: Exception) -> NoReturn:
-    fix = (
-        ""
-        if "Fix:" in str(e)
-        else (
-            " Fix: check the output and target shapes and dtypes this metric "
-            "expects, or remove it from `metrics`."
-        )
-    )
-    reraise(e, f"metric '{name}' failed {where}.{fix}")
+def _no_process_group() -> bool:
+    return False

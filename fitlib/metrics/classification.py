@@ -107,6 +107,17 @@ class FBeta(Metric):
             f = (f * present).sum() / present.sum().clamp(min=1)
         return torch.where(self.cm[-1] > 0, torch.full_like(f, math.nan), f)
 
+    def sums(self) -> list[Tensor]:
+        # The count vector's length comes from the first batch: a process
+        # without one cannot take part (distributed training gives each
+        # process at least one batch).
+        if self.cm is None:
+            raise self._no_local_data()
+        return [self.cm]
+
+    def load_sums(self, sums: list[Tensor]) -> None:
+        self.cm = sums[0].to(torch.long)  # whole counts: exact in float
+
 
 class F1Score(FBeta):
     """F1 score: `FBeta` with beta=1.

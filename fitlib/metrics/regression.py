@@ -15,6 +15,14 @@ class _ColumnMetric(Metric):
     def reset(self) -> None:
         self.n = 0
         self.state: dict[str, Tensor] = {}
+        self.total: Tensor | None = None  # sample count of every process
+
+    def _state_or_fail(self) -> dict[str, Tensor]:
+        # The column count comes from the first batch: a process without one
+        # cannot take part (distributed training gives each one a batch).
+        if self.n == 0:
+            raise self._no_local_data()
+        return self.state
 
     def _columns(self, output: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         o, t = _regression_pair(output, y, self.name)
@@ -51,9 +59,18 @@ class RMSE(_ColumnMetric):
         self.n += t.shape[0]
 
     def compute(self) -> Tensor:
+        if self.total is not None:
+            return (self.state["sse"] / self.total).sqrt().mean()
         if self.n == 0:
             raise self._no_data()
         return (self.state["sse"] / self.n).sqrt().mean()
+
+    def sums(self) -> list[Tensor]:
+        sse = self._state_or_fail()["sse"]
+        return [sse, sse.new_full((), self.n)]
+
+    def load_sums(self, sums: list[Tensor]) -> None:
+        self.state["sse"], self.total = sums
 
 
 class R2Score(_ColumnMetric):
@@ -85,10 +102,29 @@ class R2Score(_ColumnMetric):
         self.n = n
 
     def compute(self) -> Tensor:
-        if self.n == 0:
+        if self.total is None and self.n == 0:
             raise self._no_data()
         sse, ss_tot = self.state["sse"], self.state["m2"]
-        if self.n < 2:
-            return sse.new_full((), math.nan)  # a fill, not a host-to-device copy
+        nan = sse.new_full((), math.nan)  # a fill, not a host-to-device copy
+        if self.total is None and self.n < 2:
+            return nan
         r2 = torch.where(ss_tot > 0, 1 - sse / ss_tot, (sse == 0).to(sse.dtype))
+        if self.total is not None:  # the count is on the device: no `if`
+            return torch.where(self.total < 2, nan, r2.mean())
         return r2.mean()
+
+    def sums(self) -> list[Tensor]:
+        # Mean and m2 do not add up across processes; n * mean (the sum of
+        # the targets) and m2 + n * mean**2 (the sum of their squares) do.
+        s = self._state_or_fail()
+        n_mean = s["mean"] * self.n
+        count = s["sse"].new_full((), self.n)
+        return [s["sse"], n_mean, s["m2"] + n_mean * s["mean"], count]
+
+    def load_sums(self, sums: list[Tensor]) -> None:
+        sse, n_mean, sq, self.total = sums
+        mean = n_mean / self.total
+        # The one cancellation of the reduction: float64 keeps it far below
+        # the scores' precision unless |mean| >> std.
+        m2 = (sq - n_mean * mean).clamp(min=0)
+        self.state = {"sse": sse, "mean": mean, "m2": m2}

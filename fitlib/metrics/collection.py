@@ -1,0 +1,220 @@
+"""The metrics of one run, and how they are summed across processes.
+
+In distributed validation each process holds a shard of the set. `validate`
+then packs the loss sum, the sample count and every metric's `sums()` into one
+flat tensor and sums it over the processes with one call to
+`Metrics.reducer` (one collective, not one per metric), so the results cover
+the whole set.
+"""
+
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+from torch import Tensor
+
+from fitlib.errors import describe, reraise
+from fitlib.metrics.accumulate import (
+    AvgMetric,
+    Metric,
+    _TorchMetricAdapter,
+    accumulation_dtype,
+)
+
+Reducer = Callable[[Tensor], Tensor]
+
+
+def _bad_metric(m: object, why: str) -> TypeError:
+    return TypeError(
+        f"metrics: cannot use {m!r} (type {type(m).__name__}) as a metric: {why}. "
+        "Fix: pass a function f(output, *targets) -> batch mean, a fitlib Metric "
+        "(instance or class) or a torchmetrics.Metric instance."
+    )
+
+
+def _is_torchmetric(m: object) -> bool:
+    return all(callable(getattr(m, a, None)) for a in ("update", "compute", "reset"))
+
+
+def as_metric(m: object) -> Metric:
+    """Turn anything accepted in `metrics=[...]` into a `Metric`.
+
+    Example:
+        >>> as_metric(accuracy).name, as_metric(RMSE).name
+        ('accuracy', 'rmse')
+    """
+    if isinstance(m, Metric):
+        return m
+    if isinstance(m, type):
+        if not issubclass(m, Metric):
+            raise _bad_metric(m, "it is a class; pass an instance")
+        try:
+            return m()
+        except TypeError as e:
+            raise _bad_metric(m, f"it needs arguments ({e}); pass an instance") from e
+    if _is_torchmetric(m):
+        return _TorchMetricAdapter(m)
+    if callable(m):
+        return AvgMetric(m)
+    raise _bad_metric(m, "it is not callable")
+
+
+def _unique(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        i, new = 1, name
+        while new in out:
+            i, new = i + 1, f"{name}_{i + 1}"
+        out.append(new)
+    return out
+
+
+class Metrics:
+    """The list of metrics of one run; what `core.validate` uses.
+
+    Example:
+        >>> ms = Metrics([accuracy, accuracy])
+        >>> ms.names
+        ['accuracy', 'accuracy_2']
+        >>> ms.update(torch.tensor([[0.0, 1.0]]), (torch.tensor([1]),))
+        >>> ms.compute()
+        [tensor(1., dtype=torch.float64), tensor(1., dtype=torch.float64)]
+    """
+
+    def __init__(self, metrics: list | None) -> None:
+        if metrics is None:
+            metrics = []
+        if not isinstance(metrics, (list, tuple)):
+            got = f"{describe(metrics)} ({type(metrics).__name__})"
+            raise TypeError(
+                f"metrics must be a list, got {got}. Fix: metrics=[accuracy, ...]."
+            )
+        self.metrics = [as_metric(m) for m in metrics]
+        self.names: list[str] = _unique([m.name for m in self.metrics])
+        self._reducer: Reducer | None = None
+
+    @property
+    def reducer(self) -> Reducer | None:
+        """Sums a 1-D tensor element-wise over the processes; None in one.
+
+        Distributed training sets it (e.g. to an ``all_reduce``); ``validate``
+        then reports the loss and metrics of the whole set, not of this
+        process's shard. Setting it checks that every metric can be summed.
+        """
+        return self._reducer
+
+    @reducer.setter
+    def reducer(self, fn: Reducer | None) -> None:
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"Metrics.reducer must be a function or None, got {describe(fn)}. "
+                "Fix: a function that returns its 1-D tensor summed over the "
+                "processes."
+            )
+        if fn is not None:
+            for name, m in zip(self.names, self.metrics, strict=True):
+                try:
+                    m.check_sums()
+                except Exception as e:
+                    _reraise(name, "the check for distributed validation", e)
+        self._reducer = fn
+
+    def reset(self) -> None:
+        for m in self.metrics:
+            m.reset()
+
+    def update(self, output: Tensor, targets: tuple) -> None:
+        if not isinstance(targets, (tuple, list)):
+            raise TypeError(f"targets must be a tuple, got {describe(targets)}.")
+        for name, m in zip(self.names, self.metrics, strict=True):
+            try:
+                m.update(output, *targets)
+            except Exception as e:
+                where = f"on output {describe(output)} and targets {describe(targets)}"
+                _reraise(name, where, e)
+
+    def compute(self) -> list[Tensor]:
+        values = []
+        for name, m in zip(self.names, self.metrics, strict=True):
+            try:
+                values.append(m.compute())
+            except Exception as e:
+                _reraise(name, "in compute()", e)
+        return values
+
+    def reduce(self, extra: list[Tensor]) -> list[Tensor]:
+        """Sums ``extra`` and every metric's state over the processes.
+
+        One call to ``reducer`` on one flat tensor; each metric then computes
+        over every process's data. Returns ``extra`` summed, same shapes, in
+        the accumulation dtype (float64; float32 on MPS, where counts stay
+        exact up to 2**24).
+
+        Example:
+            >>> loss_sum, count = metrics.reduce([loss_sum, count])
+        """
+        if self.reducer is None:
+            raise RuntimeError(
+                "Metrics.reduce needs a reducer. Fix: set metrics.reducer (the "
+                "distributed trainer does), or call compute() in one process."
+            )
+        parts = [list(extra)]
+        for name, m in zip(self.names, self.metrics, strict=True):
+            try:
+                parts.append(list(m.sums()))
+            except Exception as e:
+                _reraise(name, "in sums()", e)
+        flat = _pack(parts)
+        total = self.reducer(flat)
+        if not isinstance(total, Tensor) or total.shape != flat.shape:
+            raise TypeError(
+                f"Metrics.reducer returned {describe(total)} for "
+                f"{describe(flat)}. Fix: return the tensor summed over the "
+                "processes, e.g. def reducer(t): dist.all_reduce(t); return t."
+            )
+        summed = _unpack(total, parts)
+        for name, m, sums in zip(self.names, self.metrics, summed[1:], strict=True):
+            try:
+                m.load_sums(sums)
+            except Exception as e:
+                _reraise(name, "in load_sums()", e)
+        return summed[0]
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics)
+
+
+def _reraise(name: str, where: str, e: Exception) -> NoReturn:
+    fix = (
+        ""
+        if "Fix:" in str(e)
+        else (
+            " Fix: check the output and target shapes and dtypes this metric "
+            "expects, or remove it from `metrics`."
+        )
+    )
+    reraise(e, f"metric '{name}' failed {where}.{fix}")
+
+
+def _pack(parts: list[list[Tensor]]) -> Tensor:
+    """Every tensor of ``parts``, flattened into one 1-D tensor.
+
+    On the device of the first tensor that is not on the CPU (the loss's), in
+    its accumulation dtype.
+    """
+    tensors = [t for part in parts for t in part]
+    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+    device = device or torch.device("cpu")
+    dtype = accumulation_dtype(device)
+    flat = [t.detach().reshape(-1).to(device, dtype) for t in tensors]
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=dtype, device=device)
+
+
+def _unpack(flat: Tensor, parts: list[list[Tensor]]) -> list[list[Tensor]]:
+    """``flat`` cut back into tensors of the shapes of ``parts``."""
+    sizes = [t.numel() for part in parts for t in part]
+    pieces = iter(flat.split(sizes))
+    return [[next(pieces).view(t.shape) for t in part] for part in parts]
