@@ -78,25 +78,28 @@ def iter_fit(
         >>> for state in iter_fit(None, model, loss_func, opt, data, max_steps=50):
         ...     if state["step"] % 10 == 0: print(state["step"])
     """
-    device = _check_fit_args(epochs, max_steps, model, loss_func, data)
+    _check_fit_args(epochs, max_steps, model, loss_func, data)
     opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
     opt.stepped = None  # no step of this fit yet (the Recorder reads it)
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
     cb_handler = CallbackHandler(callbacks)
-    valid_dl = getattr(data, "valid_dl", None)
     exception = None
     try:
         with cb_handler.deferred_interrupt():
             cb_handler.on_train_begin(epochs, max_steps, **state)
+            # A callback may wrap the model (DistributedDataParallel) and shard
+            # the data: training goes through the wrapper, validation does not.
+            train_model, device = cb_handler.state["model"], model_device(model)
+            valid_dl = getattr(cb_handler.state["data"], "valid_dl", None)
             for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
-                model.train()
+                train_model.train()
                 if cb_handler.on_epoch_begin():  # nothing (more) to train
                     break
                 train_dl = cb_handler.state["data"].train_dl  # a callback may swap it
                 for xb, yb in batches(train_dl, device, "train_dl"):
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
-                    loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
+                    loss = loss_batch(train_model, xb, yb, loss_func, opt, cb_handler)
                     stop = cb_handler.on_batch_end(loss)
                     yield cb_handler.state
                     if stop:
@@ -158,7 +161,10 @@ def validate(
     """Returns ``[valid_loss, *metrics]`` over ``dl`` as device tensors.
 
     The loss is averaged over samples (weighted by batch size), so a ragged
-    last batch counts exactly; metrics are accumulated on the device.
+    last batch counts exactly; metrics are accumulated on the device. When
+    ``metrics.reducer`` is set (distributed training, ``dl`` one process's
+    shard), the loss sum, sample count and metric states are summed over the
+    processes first, so every process gets the values of the whole set.
 
     Example:
         >>> valid_loss, acc = validate(model, valid_dl, F.cross_entropy,
@@ -180,7 +186,11 @@ def validate(
                 metrics.update(cb_handler.state["last_output"], as_tuple(yb))
             if cb_handler.on_batch_end(loss):
                 break
-    return [weighted_sum(losses, sizes) / sum(sizes), *metrics.compute()]
+    loss_sum, count = weighted_sum(losses, sizes), sum(sizes)
+    if metrics.reducer is not None:  # one collective for loss, count, metrics
+        count = loss_sum.new_full((), count)  # a fill: no host-to-device copy
+        loss_sum, count = metrics.reduce([loss_sum, count])
+    return [loss_sum / count, *metrics.compute()]
 
 
 class DataBunch:
