@@ -79,6 +79,7 @@ from typing import Any
 import torch
 
 from fitlib.dispatch import hook_caller, receives
+from fitlib.distributed import is_main
 from fitlib.errors import add_note
 
 EVENTS = (
@@ -148,6 +149,9 @@ class Callback:
     # sweep: yes for what shapes a step (mixed precision, accumulation,
     # clipping, yours); no for checkpoints, loggers, schedulers and stoppers.
     in_lr_find: bool = True
+    # Side effects only (bars, logs, files): under torch.distributed only the
+    # process of rank 0 runs it; the others leave it out.
+    main_only: bool = False
 
     @property
     def name(self) -> str:
@@ -298,6 +302,8 @@ class CallbackHandler:
 
     def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
         cbs = _check_callbacks(callbacks or [])
+        if not is_main():  # another rank of a distributed run: no side effects
+            cbs = [cb for cb in cbs if not cb.main_only]
         self.callbacks = sorted(cbs, key=lambda cb: cb.order)
         self._hooks = {
             ev: [(cb, _caller(cb, ev)) for cb in self.callbacks if _overrides(cb, ev)]

@@ -20,6 +20,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
@@ -47,7 +48,8 @@ class Snapshot:
 
 class TrainingShortcuts:
     """``fit_one_cycle``, ``fit_flat_cos``, ``fit_warmup_cos``, ``lr_find``,
-    ``to_fp16``, ``to_bf16`` and ``to_fp32``, for ``Learner``."""
+    ``fit_iter``, ``to_fp16``, ``to_bf16``, ``to_fp32`` and ``to_distributed``,
+    for ``Learner``."""
 
     # Provided by Learner.
     callbacks: list[Callback]
@@ -247,6 +249,22 @@ class TrainingShortcuts:
         self.callbacks = [cb for cb in self.callbacks if not _is_mp(cb)]
         return self
 
+    def to_distributed(
+        self, backend: str | None = None, find_unused_parameters: bool = False
+    ) -> Any:
+        """Trains on every process of a ``torchrun`` launch (see
+        ``DistributedTrainer``); does nothing in a plain ``python`` run.
+
+        Example:
+            >>> learn = Learner(data, model).to_distributed()  # torchrun ... train.py
+        """
+        self.callbacks = [cb for cb in self.callbacks if not _is_dist(cb)]
+        trainer = DistributedTrainer(backend, find_unused_parameters)
+        if trainer.enabled:
+            self.model.to(trainer.device)  # before the optimizer is created
+        self.callbacks.append(trainer)
+        return self
+
     def _set_precision(self, mp: MixedPrecision) -> Any:
         self.to_fp32()
         self.callbacks.append(mp)
@@ -263,6 +281,10 @@ class TrainingShortcuts:
 def _in_lr_find(cb: Callback) -> bool:
     """Whether ``cb`` (or the callback a filter wraps) takes part in a sweep."""
     return getattr(getattr(cb, "callback", cb), "in_lr_find", True)
+
+
+def _is_dist(cb: Callback) -> bool:
+    return isinstance(cb, DistributedTrainer)
 
 
 def _is_mp(cb: Callback) -> bool:

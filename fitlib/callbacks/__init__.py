@@ -5,6 +5,8 @@ Order of the built-in callbacks (lower runs first within an event):
 ====================  =====  ================================================
 callback              order  why there
 ====================  =====  ================================================
+DistributedTrainer    -200   first: the model (DDP), device and sharded data
+                             the others see are set here
 Checkpoint            -100   first: restores before the others begin; saves
                              at the start of a batch or epoch, when the
                              others have finished the previous one
@@ -38,6 +40,7 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
 from fitlib.callbacks.csv_logger import CSVLogger
+from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.early_stopping import EarlyStopping
 from fitlib.callbacks.filters import every, first, once
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
@@ -62,6 +65,7 @@ from fitlib.callbacks.train_stats import TrainStats
 __all__ = [
     "CSVLogger",
     "Checkpoint",
+    "DistributedTrainer",
     "EarlyStopping",
     "GradientAccumulation",
     "GradientClipping",

@@ -44,7 +44,8 @@ class GradientAccumulation(Callback):
                 f"optimizer step); got {n_steps!r}. Fix: e.g. n_steps=4."
             )
         self.n_steps = n_steps
-        self._count = self._samples = self._group = self._first = 0
+        self._count = self._samples = self._group = self._first = self._size = 0
+        self._no_sync: Any = None
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(
@@ -65,16 +66,25 @@ class GradientAccumulation(Callback):
         steps = n_epochs * math.ceil(self._len / self.n_steps)
         return {"n_steps": min(steps, max_steps or steps)}
 
-    def on_backward_begin(
-        self, last_loss: torch.Tensor, last_target: Any, last_input: Any, num_batch: int
-    ) -> dict:
-        """Runs before backward: scales the loss by its share of the group."""
-        size = batch_size(last_target, last_input)
+    def on_batch_begin(
+        self, train: bool, model: Any, last_target: Any, last_input: Any, num_batch: int
+    ) -> None:
+        """Runs before the forward: places the batch in its group."""
+        if not train:
+            return
+        self._size = batch_size(last_target, last_input)
         if self._count == 0:  # a group starts: how many batches, how large
             left = self.n_steps if self._len is None else self._len - num_batch
-            self._group, self._first = max(min(self.n_steps, left), 1), size
-        self._samples += size
-        return {"last_loss": last_loss * (size / (self._group * self._first))}
+            self._group, self._first = max(min(self.n_steps, left), 1), self._size
+        if self._count + 1 < self._group and hasattr(model, "no_sync"):
+            # DistributedDataParallel: no gradient all-reduce before the step.
+            self._no_sync = model.no_sync()
+            self._no_sync.__enter__()
+
+    def on_backward_begin(self, last_loss: torch.Tensor) -> dict:
+        """Runs before backward: scales the loss by its share of the group."""
+        self._samples += self._size
+        return {"last_loss": last_loss * (self._size / (self._group * self._first))}
 
     def on_backward_end(self, model: torch.nn.Module) -> dict | None:
         """Runs after backward: skips the step until the group is complete."""
@@ -93,6 +103,19 @@ class GradientAccumulation(Callback):
     def on_step_end(self, skip_step: bool) -> dict | None:
         """Runs after the (skipped) step: keeps the gradients of a group."""
         return {"skip_zero": True} if skip_step and self._count else None
+
+    def on_batch_end(self) -> None:
+        """Runs after each batch: ends a ``no_sync`` block."""
+        self._leave_no_sync()
+
+    def on_train_end(self) -> None:
+        """Runs at the end, also after an error: ends a ``no_sync`` block."""
+        self._leave_no_sync()
+
+    def _leave_no_sync(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
 
     def state_dict(self) -> dict:
         """The position in the current group (batches, samples)."""

@@ -53,6 +53,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fitlib import distributed as fd
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
 from fitlib.callbacks.resume import (
@@ -142,7 +143,8 @@ class Checkpoint(Callback):
         self, model: Any, opt: Any, data: Any, metrics: Any, callbacks: list
     ) -> dict | None:
         """Runs first: checks the directory; resumes from the newest checkpoint."""
-        check_writable(self.dirpath)
+        if fd.is_main():
+            check_writable(self.dirpath)
         if self.every_n_steps and len_or_none(data.train_dl) is None:
             raise ValueError(
                 "Checkpoint(every_n_steps=...) needs a train_dl with a length, to "
@@ -156,7 +158,9 @@ class Checkpoint(Callback):
         self._others = [cb for cb in callbacks if cb is not self]
         self._due, self._resume, self._epoch_rng = False, None, None
         self._rng_before_fetch: dict | None = None
-        remove_temporaries(self.dirpath)
+        if fd.is_main():
+            remove_temporaries(self.dirpath)
+        fd.barrier()  # every rank sees the same files
         # A later fit of this object continues the process, not a crashed run.
         newest = self.checkpoints()[-1:] if self.resume and not self._fits else []
         self._fits += 1
@@ -237,10 +241,17 @@ class Checkpoint(Callback):
         self._write(path, where)
         self.saved.append(path)
         self._due = False
-        for old in self.checkpoints()[: -self.keep_last]:
-            old.unlink(missing_ok=True)
+        if fd.is_main():
+            for old in self.checkpoints()[: -self.keep_last]:
+                old.unlink(missing_ok=True)
+        fd.barrier()  # no rank runs ahead of a save
 
     def _write(self, path: Path, where: Position) -> None:
+        # Every rank's RNG states (each draws its own dropout); rank 0 writes.
+        rng = self._rng_before_fetch if where.num_batch else get_rng_state(self._loader)
+        rngs, epoch_rngs = fd.gather_to_all(rng), fd.gather_to_all(self._epoch_rng)
+        if not fd.is_main():
+            return
         atomic_save(
             {
                 "fitlib_checkpoint": 1,
@@ -250,12 +261,10 @@ class Checkpoint(Callback):
                 "monitor": self.monitor.state_dict() if self.monitor else None,
                 "position": where._asdict(),
                 # Inside an epoch: the RNG before its next batch was loaded.
-                "rng": self._rng_before_fetch
-                if where.num_batch
-                else get_rng_state(self._loader),
+                "rng": rngs,
                 "opt_class": type(getattr(self._opt, "opt", self._opt)).__name__,
                 # Inside an epoch: what decided its order, to draw it again.
-                "epoch_rng": self._epoch_rng if where.num_batch else None,
+                "epoch_rng": epoch_rngs if where.num_batch else None,
             },
             path,
         )
@@ -269,6 +278,7 @@ class Checkpoint(Callback):
                 "of the checkpoint directory, or use another dirpath."
             )
         load_model_state(self._model, saved["model"], repr(str(path)))
+        _own_rng(saved, path)
         opt_class = type(getattr(self._opt, "opt", self._opt)).__name__
         if saved["opt_class"] != opt_class:
             raise ValueError(
@@ -282,7 +292,7 @@ class Checkpoint(Callback):
             self.monitor.load_state_dict(saved["monitor"])
         pos = saved["position"]
         if pos["finished"]:
-            print(
+            _say(
                 f"fitlib: Checkpoint: training in {str(self.dirpath)!r} already "
                 f"finished (epoch {pos['epoch']}, step {pos['step']}); nothing to "
                 "do. Fix: Checkpoint(resume=False), or another dirpath, to train "
@@ -293,7 +303,7 @@ class Checkpoint(Callback):
             # keep their restored state (logs are not started anew).
             done = {k: pos[k] for k in ("epoch", "iteration", "step")}
             return {**done, "stop_training": True}
-        print(
+        _say(
             f"fitlib: Checkpoint: resuming from {path.name} (epoch {pos['epoch']}, "
             f"batch {pos['num_batch']}, step {pos['step']})."
         )
@@ -321,3 +331,22 @@ class Checkpoint(Callback):
 
     def __repr__(self) -> str:
         return f"{self.name}({str(self.dirpath)!r})"
+
+
+def _own_rng(saved: dict, path: Path) -> None:
+    """Keeps this rank's RNG states of a checkpoint (one per rank that saved)."""
+    world = fd.world_size()
+    if len(saved["rng"]) != world:
+        raise ValueError(
+            f"{str(path)!r} was saved by {len(saved['rng'])} process(es); this "
+            f"run has {world}. Fix: launch as many (torchrun --nproc_per_node), "
+            "or Checkpoint(resume=False)."
+        )
+    saved["rng"] = saved["rng"][fd.rank()]
+    if saved["epoch_rng"] is not None:
+        saved["epoch_rng"] = saved["epoch_rng"][fd.rank()]
+
+
+def _say(message: str) -> None:
+    if fd.is_main():  # one line, not one per process
+        print(message)

@@ -60,6 +60,7 @@ class CSVLogger(Callback):
 
     order = 55  # after the callbacks that change training, and the Recorder
     in_lr_find = False  # a sweep is not part of the run it records
+    main_only = True  # under torch.distributed, rank 0 alone
 
     def __init__(self, path: str | os.PathLike, append: bool = True) -> None:
         self.path = _check_path(path)

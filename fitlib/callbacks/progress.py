@@ -41,6 +41,7 @@ class ProgressBar(Callback):
     """
 
     order = 60
+    main_only = True  # under torch.distributed, rank 0 alone
 
     def __init__(self, refresh: float = 0.25, bars: bool | None = None) -> None:
         if (

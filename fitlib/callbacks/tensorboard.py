@@ -67,6 +67,7 @@ class TensorBoardLogger(Callback):
 
     order = 55
     in_lr_find = False  # a sweep is not part of the run it records
+    main_only = True  # under torch.distributed, rank 0 alone
 
     def __init__(
         self,

@@ -98,6 +98,7 @@ class TrainStats(Callback):
 
     order = -15  # after MixedPrecision unscales (-20), before clipping (-10)
     in_lr_find = False  # a sweep is not part of the run it records
+    main_only = True  # under torch.distributed, rank 0 alone
 
     def __init__(self, every_n_steps: int = 100) -> None:
         self.every_n_steps = check_every_n_steps(every_n_steps, "TrainStats")

@@ -1,3 +1,4 @@
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -77,11 +78,17 @@ def backward_weights(acc, sizes, start=0):
     the factor on each loss and what ``on_backward_end`` returned."""
     weights, updates = [], []
     for i, size in enumerate(sizes, start):
-        update = call_hook(acc, "on_backward_begin", last_loss=torch.tensor(1.0),
-                           last_target=torch.zeros(size), num_batch=i)  # fmt: skip
+        update = scaled(acc, i, size)
         weights.append(update["last_loss"].item())
         updates.append(call_hook(acc, "on_backward_end", model=nn.Linear(1, 1)))
     return weights, updates
+
+
+def scaled(acc, i, size, model=None):
+    """on_batch_begin then on_backward_begin of batch ``i`` of ``size`` samples."""
+    call_hook(acc, "on_batch_begin", train=True, model=model or nn.Linear(1, 1),
+              last_target=torch.zeros(size), num_batch=i)  # fmt: skip
+    return call_hook(acc, "on_backward_begin", last_loss=torch.tensor(1.0))
 
 
 def start(acc, n_batches, model=None):
@@ -128,9 +135,7 @@ def test_a_smaller_last_batch_rescales_the_gradients_to_the_sample_mean():
     model = nn.Linear(1, 1, bias=False)
 
     def batch(i, size):
-        update = call_hook(acc, "on_backward_begin", last_loss=torch.tensor(1.0),
-                           last_target=torch.zeros(size), num_batch=i)  # fmt: skip
-        return update["last_loss"].item()
+        return scaled(acc, i, size)["last_loss"].item()
 
     assert batch(0, 8) == 0.5  # planned: a group of 2 batches of 8
     assert call_hook(acc, "on_backward_end", model=model) == {"skip_step": True}
@@ -267,3 +272,28 @@ def test_sync_count_does_not_grow_with_batches(host_syncs, fp16):
     many = syncs_during_fit(host_syncs, 256, fp16)
     assert few > 0  # epoch ends read values: the counter works
     assert few == many
+
+
+class FakeDDP(nn.Module):
+    """A model with no_sync(), as DistributedDataParallel has: records use."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.inside.append(True)
+        yield
+        self.inside.append(False)
+
+
+def test_batches_that_do_not_step_skip_the_gradient_all_reduce():
+    acc, model = GradientAccumulation(3), FakeDDP()
+    start(acc, 6)
+    for i in range(6):
+        scaled(acc, i, 4, model)
+        call_hook(acc, "on_backward_end", model=model)
+        call_hook(acc, "on_batch_end")
+    # batches 0, 1 and 3, 4 ran inside no_sync; 2 and 5 (the steps) did not.
+    assert model.inside == [True, False] * 4

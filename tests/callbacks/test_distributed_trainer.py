@@ -1,0 +1,76 @@
+"""DistributedTrainer in this process: off without torchrun; bad input, in a
+one-process gloo group. tests/test_distributed.py launches real 2-process runs."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import make_data, make_model
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader, IterableDataset
+
+from fitlib import DataBunch, Learner
+from fitlib import distributed as fd
+from fitlib.callbacks import DistributedTrainer
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """The environment torchrun sets, for a world of one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_without_torchrun_it_does_nothing(monkeypatch, tmp_path):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False,
+                    path=tmp_path).to_distributed()  # fmt: skip
+    learn.fit(1, lr=0.1)
+    assert not fd.active() and not learn.callbacks[-1].enabled
+    assert learn.recorder.epochs == [0] and type(learn.model).__name__ == "Sequential"
+
+
+def test_under_a_launcher_it_trains_and_gives_the_plain_model_back(one_process_group):
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
+    learn.to_distributed(backend="gloo")
+    learn.fit(2, lr=0.1)
+    assert fd.active() and fd.world_size() == 1
+    assert learn.recorder.epochs == [0, 1] and learn.metrics  # validation ran
+    assert learn.opt.param_groups[0]["params"][0] is next(learn.model.parameters())
+
+
+def test_nccl_without_a_gpu_is_a_clear_error(one_process_group):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: NCCL can run")
+    with pytest.raises(ValueError, match=r"NCCL needs CUDA GPUs.*backend='gloo'"):
+        DistributedTrainer(backend="nccl")
+
+
+def test_an_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend must be 'nccl'"):
+        DistributedTrainer(backend="mpi")
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([(torch.randn(8), torch.tensor(0)) for _ in range(16)])
+
+
+def test_a_loader_whose_sampler_cannot_be_replaced_is_a_clear_error(
+    one_process_group,
+):
+    data = DataBunch(DataLoader(Stream(), 4), None, device="cpu")
+    learn = Learner(data, make_model(), F.cross_entropy, progress=False, metrics=[])
+    learn.to_distributed(backend="gloo")
+    with pytest.raises(ValueError, match="cannot give each rank its shard of train_dl"):
+        learn.fit(1, lr=0.1)

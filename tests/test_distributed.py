@@ -1,0 +1,97 @@
+"""Distributed training under torchrun: 2 CPU processes with gloo, as in CI."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_dataset
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import validate
+from fitlib.metrics import F1Score, accuracy
+from fitlib.serialization import safe_load
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is unavailable"
+)
+
+
+def torchrun(mode, out, n=2):
+    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    child = str(HERE / "dist_child.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={n}", child, mode, str(out)]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def results(out, n=2):
+    return [safe_load(out / f"rank{r}.pth") for r in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    run = torchrun("plain", out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run
+
+
+def test_ranks_end_with_identical_weights(plain_run):
+    out, _ = plain_run
+    r0, r1 = results(out)
+    assert r0["world"] == r1["world"] == 2
+    assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
+
+
+def test_reduced_validation_equals_one_process_over_the_whole_set(plain_run):
+    from dist_child import model
+
+    out, _ = plain_run
+    r0, r1 = results(out)
+    net = model()
+    net.load_state_dict(r0["weights"])
+    valid = DataLoader(make_dataset(37, seed=1), 8)
+    loss, acc, f1 = validate(net, valid, F.cross_entropy, metrics=[accuracy, F1Score()])
+    for r in (r0, r1):
+        assert r["valid_loss"] == pytest.approx(loss.item(), rel=1e-12)
+        assert r["metrics"] == pytest.approx([acc.item(), f1.item()], rel=1e-12)
+
+
+def test_logs_and_files_are_written_once(plain_run):
+    out, run = plain_run
+    lines = (out / "log.csv").read_text().splitlines()
+    assert len(lines) == 4  # header and 3 epochs, not one set per rank
+    table = [line for line in run.stdout.splitlines() if line.startswith("epoch")]
+    assert len(table) == 1
+
+
+def test_a_checkpoint_written_by_two_ranks_resumes_exactly(tmp_path):
+    ref = tmp_path / "ref"
+    assert torchrun("checkpoint", ref).returncode == 0
+    crashed = torchrun("crash", tmp_path / "run")
+    assert crashed.returncode != 0 and "simulated crash" in crashed.stderr
+    resumed = torchrun("checkpoint", tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("resuming from") == 1
+    for a, b in zip(results(ref), results(tmp_path / "run")):
+        assert all(torch.equal(v, b["weights"][k]) for k, v in a["weights"].items())
+
+
+def test_accumulation_skips_all_reduce_but_equals_a_larger_batch(tmp_path):
+    assert torchrun("accumulate", tmp_path / "acc").returncode == 0
+    assert torchrun("big", tmp_path / "big").returncode == 0
+    acc, big = results(tmp_path / "acc")[0], results(tmp_path / "big")[0]
+    for k, v in big["weights"].items():
+        if v.is_floating_point():
+            assert torch.allclose(acc["weights"][k], v, atol=1e-5), k
+
+
+def test_a_world_larger_than_the_data_is_a_clear_error(tmp_path):
+    run = torchrun("tiny", tmp_path)
+    assert run.returncode != 0
+    assert "valid_dl has 1 batches for 2 processes" in run.stderr
