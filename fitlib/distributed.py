@@ -25,8 +25,8 @@ def active() -> bool:
 
 
 def rank() -> int:
-    """This process's rank (0 without a process group)."""
-    return dist.get_rank() if active() else 0
+    """This process's rank: the process group's, else torchrun's ``RANK``, else 0."""
+    return dist.get_rank() if active() else int(os.environ.get("RANK", 0))
 
 
 def world_size() -> int:

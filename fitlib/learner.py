@@ -26,6 +26,7 @@ from fitlib.core import (
     to_floats,
     validate,
 )
+from fitlib.distributed import is_main
 from fitlib.errors import name_of
 from fitlib.optim import HPOptimizer, lr_per_group
 from fitlib.serialization import atomic_save, load_model_state, safe_load
@@ -298,7 +299,7 @@ def _default_metrics(loss_func: Callable) -> list:
     )
     if not is_clf:
         return []
-    if "accuracy" not in _said:
+    if "accuracy" not in _said and is_main():  # once, not once per process
         _said.add("accuracy")
         print(
             "fitlib: no metrics given; reporting accuracy since the loss is "

@@ -23,9 +23,12 @@ from fitlib.serialization import atomic_save
 
 
 class Crash(Callback):
+    def __init__(self, ranks=(0, 1)):
+        self.ranks = ranks
+
     def on_batch_end(self, iteration, train):
-        if train and iteration == 5:
-            raise RuntimeError("simulated crash")
+        if train and iteration == 5 and fd.rank() in self.ranks:
+            raise RuntimeError(f"simulated crash on rank {fd.rank()}")
 
 
 def model(plain: bool = False) -> nn.Module:
@@ -54,6 +57,8 @@ def main(mode: str, out: Path) -> None:
         callbacks.append(Checkpoint(out / "ckpt", every_n_steps=2))
     if mode == "crash":
         callbacks.append(Crash())
+    if mode == "rank1_fails":
+        callbacks.append(Crash(ranks=(1,)))
     if mode == "accumulate":
         callbacks.append(GradientAccumulation(2))
     plain = mode in ("accumulate", "big")

@@ -95,3 +95,16 @@ def test_a_world_larger_than_the_data_is_a_clear_error(tmp_path):
     run = torchrun("tiny", tmp_path)
     assert run.returncode != 0
     assert "valid_dl has 1 batches for 2 processes" in run.stderr
+
+
+def test_a_rank_that_fails_brings_the_group_down_with_its_error(tmp_path):
+    run = torchrun("rank1_fails", tmp_path)  # rank 0 would wait on rank 1
+    assert run.returncode != 0
+    assert "simulated crash on rank 1" in run.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for NCCL")
+def test_nccl_with_one_process_on_the_gpu(tmp_path):
+    run = torchrun("plain", tmp_path, n=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert results(tmp_path, n=1)[0]["world"] == 1
