@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fitlib import distributed as fd
 from fitlib.core import to_floats
 from fitlib.metrics import weighted_sum
 
@@ -150,6 +151,8 @@ class Monitor:
             losses, sizes = self._losses, self._sizes
             (carried, count), self._carry = self._carry, (0.0, 0)
             self._losses, self._sizes = [], []
+            if fd.world_size() > 1:  # every rank must decide alike: the global mean
+                return _global_mean(losses, sizes, carried, count)
             if not losses and not count:
                 return None
             total = to_floats([weighted_sum(losses, sizes)])[0] if losses else 0.0
@@ -246,3 +249,26 @@ def _check_min_delta(min_delta: Any, owner: str) -> float:
 def _lacks_validation(data: Any) -> bool:
     # Only a data object that says so: hooks driven in tests may pass none.
     return data is not None and getattr(data, "valid_dl", True) is None
+
+
+def _global_mean(
+    losses: list[torch.Tensor], sizes: list[int], carried: float, count: int
+) -> float:
+    """The sample-weighted mean training loss over every rank (one all-reduce).
+
+    A resumed epoch's earlier part is known to rank 0 only (its state is the
+    one a checkpoint saved), so rank 0 alone adds it: the value then differs
+    from an uninterrupted run's, but is the same on every rank.
+    """
+    own = fd.rank() == 0
+    total = (
+        weighted_sum(losses, sizes) if losses else torch.zeros((), dtype=torch.float64)
+    )
+    pair = torch.stack(
+        [
+            total + (carried if own else 0.0),
+            total.new_tensor(float(sum(sizes) + (count if own else 0))),
+        ]
+    )
+    total, n = to_floats(list(fd.all_reduce_sum(pair)))
+    return total / n if n else math.nan

@@ -201,3 +201,30 @@ def test_load_state_dict_refuses_the_state_of_another_quantity_or_a_bad_dict():
         Monitor("accuracy", mode="min").load_state_dict(state)
     with pytest.raises(ValueError, match="keys 'best', 'mode', 'monitor'"):
         Monitor("accuracy").load_state_dict({"best": 0.5})
+
+
+def test_under_several_processes_train_loss_is_the_mean_over_all_ranks(monkeypatch):
+    """Every rank must reach the same decision: the value is the global mean."""
+    from fitlib import distributed as fd
+
+    shards = {0: ([1.0, 3.0], [2, 2]), 1: ([5.0], [4])}  # losses, batch sizes
+    pairs = {}
+    monkeypatch.setattr(fd, "world_size", lambda: 2)
+    for rank in (0, 1):
+        m = Monitor("train_loss")
+        m.start(Metrics([]))
+        for loss, size in zip(*shards[rank], strict=True):
+            m.add_batch(torch.tensor(loss), size)
+        pairs[rank] = m
+    values = []
+    for rank in (0, 1):
+        other = 1 - rank
+        monkeypatch.setattr(fd, "rank", lambda rank=rank: rank)
+        losses, sizes = shards[other]
+        other_pair = torch.tensor(
+            [sum(v * s for v, s in zip(losses, sizes)), float(sum(sizes))],
+            dtype=torch.float64,
+        )
+        monkeypatch.setattr(fd, "all_reduce_sum", lambda t, o=other_pair: t + o)
+        values.append(pairs[rank].read(None))
+    assert values == [pytest.approx((2 + 6 + 20) / 8)] * 2
