@@ -64,3 +64,8 @@ def reraise(exc: Exception, message: str) -> NoReturn:
         raise type(exc)(f"{message}\nIt said: {exc}") from exc
     add_note(exc, message)
     raise exc
+
+
+def is_number(x: Any) -> bool:
+    """An int or float, not a bool: what numeric arguments are checked with."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

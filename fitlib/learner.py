@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +14,14 @@ from fitlib import metrics as fm
 from fitlib.callback import Callback, CallbackHandler
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
+from fitlib.callbacks.resume import give_states
 from fitlib.core import (
     as_tuple,
     call_model,
     check_data,
     check_model,
     first_tensor,
-    fit,
+    iter_fit,
     model_device,
     to_device,
     to_floats,
@@ -132,8 +133,20 @@ class Learner(TrainingShortcuts):
         the last, ``slice(hi)`` gives the last group ``hi`` and the others
         ``hi / 10``.
         """
+        for _ in self._iter_fit(epochs, lr, wd, callbacks, max_steps):
+            pass
+
+    def _iter_fit(
+        self,
+        epochs: int | None,
+        lr: LR,
+        wd: float | None,
+        callbacks: Iterable[Callback] | None,
+        max_steps: int | None,
+    ) -> Iterator[dict]:
+        """The loop (``iter_fit``) over this Learner's model, data and callbacks."""
         self.create_opt(lr, wd)
-        fit(
+        return iter_fit(
             epochs,
             self.model,
             self.loss_func,
@@ -273,18 +286,9 @@ class Learner(TrainingShortcuts):
         load_model_state(self.model, state["model"], repr(str(path)))
         if with_opt and "opt" in state:
             self.create_opt(1e-3).load_state_dict(state["opt"])
-            self._load_callbacks(state.get("callbacks", []))
+            # A state whose callback this Learner lacks is not needed here.
+            give_states(self.callbacks, state.get("callbacks", []))
         return self
-
-    def _load_callbacks(self, states: list) -> None:
-        """Gives each saved callback state to this Learner's callback of that
-        class, in order; states of callbacks it lacks are not needed here."""
-        waiting = list(self.callbacks)
-        for name, cb_state in states:
-            cb = next((cb for cb in waiting if cb.name == name), None)
-            if cb is not None:
-                cb.load_state_dict(cb_state)
-                waiting.remove(cb)
 
     def _file(self, name: str | Path) -> Path:
         name = Path(name)

@@ -8,6 +8,7 @@ survives a power cut. Loads use ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import copy as copy_module
 import os
 import tempfile
 from pathlib import Path
@@ -36,6 +37,35 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def host_copy(x: Any) -> Any:
+    """``x`` with every tensor copied to the host (dicts, lists, tuples kept).
+
+    Copies from a GPU are queued without waiting, then awaited once per
+    device: one sync for the whole structure, not one per tensor.
+
+    Example:
+        >>> saved = host_copy(model.state_dict())
+    """
+    devices: set[torch.device] = set()
+    copy = _host_copy(x, devices)
+    for device in devices:  # the host may read the copies only after this
+        torch.cuda.synchronize(device)
+    return copy
+
+
+def _host_copy(x: Any, devices: set) -> Any:
+    if isinstance(x, torch.Tensor):
+        cuda = x.device.type == "cuda"
+        if cuda:
+            devices.add(x.device)
+        return x.detach().to("cpu", copy=True, non_blocking=cuda)
+    if isinstance(x, dict):
+        return {k: _host_copy(v, devices) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_host_copy(v, devices) for v in x)
+    return copy_module.deepcopy(x)
 
 
 def fsync_dir(directory: Path) -> None:

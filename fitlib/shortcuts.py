@@ -26,7 +26,7 @@ from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
-from fitlib.core import fit, iter_fit, len_or_none, to_floats
+from fitlib.core import fit, len_or_none, to_floats
 from fitlib.metrics import Metrics
 
 
@@ -195,17 +195,7 @@ class TrainingShortcuts:
             ...         break
         """
         _check_every(every)
-        self.create_opt(lr, wd)
-        steps = iter_fit(
-            None,
-            self.model,
-            self.loss_func,
-            self.opt,
-            self.data,
-            callbacks=self._callbacks(callbacks),
-            metrics=self.metrics,
-            max_steps=n_steps,
-        )
+        steps = self._iter_fit(None, lr, wd, callbacks, n_steps)
         t0, names = time.perf_counter(), ["valid_loss", *Metrics(self.metrics).names]
         with closing(steps):
             for state in steps:

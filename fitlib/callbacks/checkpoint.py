@@ -133,7 +133,6 @@ class Checkpoint(Callback):
             )
         owner = "Checkpoint"
         self.monitor = None if monitor is None else Monitor(monitor, mode, 0.0, owner)
-        self.saved: list[Path] = []  # what this fit wrote, oldest first
         self._resume: dict | None = None  # a loaded checkpoint being resumed
         self._due = False
         self._fits = 0  # only the first fit of a process resumes
@@ -239,7 +238,6 @@ class Checkpoint(Callback):
         number = int(_NAME.fullmatch(newest[0].name)[1]) + 1 if newest else 0
         path = self.dirpath / f"checkpoint-{number:06d}.pth"
         self._write(path, where)
-        self.saved.append(path)
         self._due = False
         if fd.is_main():
             for old in self.checkpoints()[: -self.keep_last]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fitlib.callback import Callback
+from fitlib.errors import is_number
 
 
 class GradientClipping(Callback):
@@ -89,15 +90,11 @@ class GradientClipping(Callback):
         return f"{self.name}({bound})"
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _positive(name: str, value: Any) -> float | None:
     if value is None:
         return None
     # `not 0 < value` also catches NaN; an infinite bound would clip nothing.
-    if not _is_number(value) or not 0 < value < math.inf:
+    if not is_number(value) or not 0 < value < math.inf:
         raise ValueError(
             f"{name} must be a positive finite number; got {value!r} "
             f"({type(value).__name__}). Fix: e.g. GradientClipping({name}=1.0)."
@@ -106,7 +103,7 @@ def _positive(name: str, value: Any) -> float | None:
 
 
 def _norm_type(value: Any, by_norm: bool) -> float:
-    if not _is_number(value) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ValueError(
             f"norm_type must be a positive number (math.inf for the largest "
             f"element); got {value!r} ({type(value).__name__}). Fix: e.g. "

@@ -15,6 +15,8 @@ import torch
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
 from fitlib.core import batch_size
+from fitlib.errors import is_number
+from fitlib.serialization import host_copy
 
 _STATE_KEYS = ("monitor", "wait", "best_epoch", "stopped_epoch")
 
@@ -148,7 +150,7 @@ class EarlyStopping(Callback):
         if improved:
             self.best_epoch = epoch
             if self.restore_best and model is not None:
-                self.best_weights = _host_copy(model)
+                self.best_weights = host_copy(model.state_dict())
         if improved and self._beats_baseline(value):
             self.wait = 0
             return False
@@ -223,23 +225,6 @@ class EarlyStopping(Callback):
         )
 
 
-def _host_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers, copied to the host.
-
-    The copies from a GPU are queued without waiting, then awaited once:
-    one sync per copy of the model, not one per tensor.
-    """
-    copies, gpus = {}, set()
-    for key, t in model.state_dict().items():
-        cuda = t.device.type == "cuda"
-        if cuda:
-            gpus.add(t.device)
-        copies[key] = t.detach().to("cpu", copy=True, non_blocking=cuda)
-    for device in gpus:  # the host may read the copies only after this
-        torch.cuda.synchronize(device)
-    return copies
-
-
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
 
@@ -261,7 +246,7 @@ def _check_count(name: str, value: Any) -> int:
 def _check_baseline(baseline: Any) -> float | None:
     if baseline is None:
         return None
-    number = isinstance(baseline, (int, float)) and not isinstance(baseline, bool)
+    number = is_number(baseline)
     if not number or math.isnan(baseline):
         error = ValueError if number else TypeError
         raise error(

@@ -13,7 +13,6 @@ past the divergence; the steps after it are dropped from the record.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from typing import Any, NamedTuple
@@ -23,7 +22,9 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.core import to_floats
+from fitlib.errors import is_number
 from fitlib.rng import get_rng_state, set_rng_state
+from fitlib.serialization import host_copy
 
 DIVERGED = 4.0  # the smoothed loss, as a multiple of its best, that ends a sweep
 
@@ -197,22 +198,11 @@ def _snapshot(model: torch.nn.Module, opt: Any, data: Any) -> dict:
     loader = getattr(data, "train_dl", None)
     return {
         # On the host: a copy on the device could double a large model's memory.
-        "model": _host_copy(model.state_dict()),
-        "opt": _host_copy(opt.state_dict()),
+        "model": host_copy(model.state_dict()),
+        "opt": host_copy(opt.state_dict()),
         "rng": get_rng_state(loader),
         "loader": loader,
     }
-
-
-def _host_copy(x: Any) -> Any:
-    """``x`` with every tensor copied to the host (dicts, lists, tuples kept)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, dict):
-        return {k: _host_copy(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_host_copy(v) for v in x)
-    return copy.deepcopy(x)
 
 
 def _restore(saved: dict, model: torch.nn.Module, opt: Any) -> None:
@@ -225,10 +215,7 @@ def _restore(saved: dict, model: torch.nn.Module, opt: Any) -> None:
 def _check_args(
     start_lr: Any, end_lr: Any, num_it: Any, mode: Any, check_every: Any
 ) -> None:
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    if not (number(start_lr) and number(end_lr) and 0 < start_lr < end_lr):
+    if not (is_number(start_lr) and is_number(end_lr) and 0 < start_lr < end_lr):
         raise ValueError(
             f"the sweep needs 0 < start_lr < end_lr; got start_lr={start_lr!r}, "
             f"end_lr={end_lr!r}. Fix: e.g. start_lr=1e-7, end_lr=10."
@@ -242,7 +229,7 @@ def _check_args(
         raise ValueError(
             f"mode must be 'exp' (geometric lr steps) or 'linear'; got {mode!r}."
         )
-    if not (number(check_every) and check_every >= 0):
+    if not (is_number(check_every) and check_every >= 0):
         raise ValueError(
             f"check_every must be a number of seconds >= 0; got {check_every!r}."
         )

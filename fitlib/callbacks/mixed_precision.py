@@ -26,6 +26,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.core import model_device
+from fitlib.errors import is_number
 from fitlib.optim import found_inf
 
 _DTYPES = {
@@ -198,7 +199,7 @@ class MixedPrecision(Callback):
 
 
 def _check_scaler_args(init_scale: Any, growth_interval: Any) -> None:
-    number = isinstance(init_scale, (int, float)) and not isinstance(init_scale, bool)
+    number = is_number(init_scale)
     if not (number and 0 < init_scale < float("inf")):
         raise ValueError(
             f"MixedPrecision: init_scale must be a finite number > 0 (the first "

@@ -20,6 +20,7 @@ import torch
 
 from fitlib import distributed as fd
 from fitlib.core import to_floats
+from fitlib.errors import is_number
 from fitlib.metrics import weighted_sum
 
 MODES = ("auto", "min", "max")
@@ -237,7 +238,7 @@ def _check_name(monitor: Any, owner: str) -> str:
 
 
 def _check_min_delta(min_delta: Any, owner: str) -> float:
-    number = isinstance(min_delta, (int, float)) and not isinstance(min_delta, bool)
+    number = is_number(min_delta)
     if not number or not 0 <= min_delta < math.inf:
         raise ValueError(
             f"{owner}: min_delta must be a finite number >= 0; got {min_delta!r}. "

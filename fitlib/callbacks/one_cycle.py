@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fitlib.callbacks.schedule import ParamScheduler, cosine
+from fitlib.errors import is_number
 from fitlib.optim import lr_per_group
 
 MaxLR = float | slice | Sequence[float]
@@ -51,7 +52,7 @@ class OneCycleScheduler(ParamScheduler):
     ) -> None:
         _check_max_lr(max_lr)
         _check_number("div_factor", div_factor, "25.0", low=0.0)
-        if not (_is_number(pct_start) and 0 < pct_start < 1):
+        if not (is_number(pct_start) and 0 < pct_start < 1):
             raise ValueError(
                 f"pct_start must be a fraction of training in (0, 1); got "
                 f"{pct_start!r}. Fix: e.g. pct_start=0.3 (30% of steps warming up)."
@@ -59,7 +60,7 @@ class OneCycleScheduler(ParamScheduler):
         final_div = div_factor * 1e4 if final_div is None else final_div
         _check_number("final_div", final_div, "div_factor * 1e4", low=0.0)
         if moms is not None and not (
-            len(moms) == 2 and all(_is_number(m) and 0 <= m < 1 for m in moms)
+            len(moms) == 2 and all(is_number(m) and 0 <= m < 1 for m in moms)
         ):
             raise ValueError(
                 f"moms must be two momentums in [0, 1), or None; got {moms!r}. "
@@ -97,12 +98,8 @@ def _placeholder(pct: float) -> float:
     raise AssertionError("OneCycleScheduler builds its schedules at train begin")
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _check_number(name: str, value: Any, example: str, low: float) -> None:
-    if not (_is_number(value) and value > low):
+    if not (is_number(value) and value > low):
         raise ValueError(
             f"{name} must be a number > {low:g}; got {value!r}. Fix: e.g. "
             f"{name}={example}."
@@ -112,12 +109,12 @@ def _check_number(name: str, value: Any, example: str, low: float) -> None:
 def _check_max_lr(max_lr: Any) -> None:
     if isinstance(max_lr, slice):
         parts = [p for p in (max_lr.start, max_lr.stop) if p is not None]
-        ok = max_lr.stop is not None and all(_is_number(p) and p > 0 for p in parts)
-    elif _is_number(max_lr):
+        ok = max_lr.stop is not None and all(is_number(p) and p > 0 for p in parts)
+    elif is_number(max_lr):
         ok = max_lr > 0
     else:
         try:
-            ok = len(max_lr) > 0 and all(_is_number(v) and v > 0 for v in max_lr)
+            ok = len(max_lr) > 0 and all(is_number(v) and v > 0 for v in max_lr)
         except TypeError:
             ok = False
     if not ok:

@@ -16,6 +16,7 @@ import torch
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
 from fitlib.core import batch_size
+from fitlib.errors import is_number
 from fitlib.optim import HPOptimizer
 
 # As torch's eps: a smaller change is rounding noise (0.1**3 lands 2e-19 above a
@@ -72,7 +73,7 @@ class ReduceLROnPlateau(Callback):
         cooldown: int = 0,
         verbose: bool = False,
     ) -> None:
-        if not _is_number(factor) or not 0 < factor < 1:
+        if not is_number(factor) or not 0 < factor < 1:
             raise ValueError(
                 f"ReduceLROnPlateau: factor must be a number in (0, 1); got "
                 f"{factor!r}. Fix: e.g. factor=0.2 (each reduction divides lr by 5)."
@@ -188,10 +189,6 @@ class ReduceLROnPlateau(Callback):
         )
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _check_count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
@@ -207,19 +204,19 @@ def _check_count(name: str, value: Any) -> int:
 
 
 def _check_min_lr(min_lr: Any) -> float | list[float]:
-    values = [min_lr] if _is_number(min_lr) else min_lr
+    values = [min_lr] if is_number(min_lr) else min_lr
     if not isinstance(values, (list, tuple)) or not values:
         raise TypeError(
             f"ReduceLROnPlateau: min_lr must be a number or a list with one per "
             f"parameter group; got {min_lr!r}. Fix: e.g. min_lr=1e-6."
         )
-    if not all(_is_number(v) and v >= 0 for v in values):
+    if not all(is_number(v) and v >= 0 for v in values):
         raise ValueError(
             f"ReduceLROnPlateau: min_lr must be >= 0 (each of them); got "
             f"{min_lr!r}. Fix: e.g. min_lr=0.0 or min_lr=1e-6."
         )
     floats = [float(v) for v in values]
-    return floats[0] if _is_number(min_lr) else floats
+    return floats[0] if is_number(min_lr) else floats
 
 
 def _fmt(lrs: list[float]) -> str:

@@ -40,15 +40,21 @@ class Remaining:
         return self.batches
 
 
-def load_callbacks(callbacks: list[Callback], states: list, path: Path) -> None:
-    """Gives each saved state to the callback of the same class, in order."""
+def give_states(callbacks: list[Callback], states: list) -> list[Callback]:
+    """Gives each saved ``[name, state]`` to the callback of that class, in
+    order; returns the callbacks that got none."""
     waiting = list(callbacks)
     for name, state in states:
         cb = next((cb for cb in waiting if cb.name == name), None)
         if cb is not None:
             cb.load_state_dict(state)
             waiting.remove(cb)
-    stateful = [cb.name for cb in waiting if cb.state_dict()]
+    return waiting
+
+
+def load_callbacks(callbacks: list[Callback], states: list, path: Path) -> None:
+    """``give_states``, refusing a fit with a stateful callback the run lacked."""
+    stateful = [cb.name for cb in give_states(callbacks, states) if cb.state_dict()]
     if stateful:
         raise ValueError(
             f"{str(path)!r} holds no state for callback(s) {stateful}, which this "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fitlib.callback import Callback
+from fitlib.errors import is_number
 
 Value = float | list[float]  # one value, or one per parameter group
 Schedule = Callable[[float], Value]
@@ -44,7 +45,7 @@ class Anneal:
     ) -> None:
         self.kind, self.fn = kind, fn
         self.start, self.end = start, start if end is None else end
-        self._many = not (_is_number(self.start) and _is_number(self.end))
+        self._many = not (is_number(self.start) and is_number(self.end))
         if self._many:
             self._pairs = _pairs(kind, self.start, self.end)
 
@@ -87,7 +88,7 @@ def linear(start: Value, end: Value) -> Anneal:
 
 def exponential(start: Value, end: Value) -> Anneal:
     """A geometric progression from ``start`` to ``end`` (both > 0)."""
-    values = [v for x in (start, end) for v in ([x] if _is_number(x) else x)]
+    values = [v for x in (start, end) for v in ([x] if is_number(x) else x)]
     if any(not v > 0 for v in values):
         raise ValueError(
             f"exponential({start!r}, {end!r}): the values must be > 0, since it "
@@ -242,7 +243,7 @@ def _check_phases(name: str, phases: Any) -> list[tuple[float, Schedule]]:
             f"done) or a list of (fraction, schedule) phases; got {phases!r}. {fix}"
         ) from None
     for fraction, fn in phases:
-        if not _is_number(fraction) or not callable(fn):
+        if not is_number(fraction) or not callable(fn):
             raise TypeError(
                 f"schedules[{name!r}]: a phase is (fraction of training, schedule); "
                 f"got ({fraction!r}, {fn!r}). {fix}"
@@ -262,13 +263,9 @@ def _check_phases(name: str, phases: Any) -> list[tuple[float, Schedule]]:
     return phases
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _pairs(kind: str, start: Any, end: Any) -> list[tuple[float, float]]:
-    starts = [start] if _is_number(start) else list(start)
-    ends = [end] if _is_number(end) else list(end)
+    starts = [start] if is_number(start) else list(start)
+    ends = [end] if is_number(end) else list(end)
     if len(starts) == 1:
         starts = starts * len(ends)
     if len(ends) == 1:
