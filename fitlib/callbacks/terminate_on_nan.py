@@ -5,6 +5,11 @@ losses are kept as device tensors and checked together, with one host
 transfer, every ``check_every`` seconds of wall-clock time and at each epoch
 end (which syncs anyway). The callback finds the exact first bad batch, but
 stops training at the check, which may come a few batches later.
+
+Under torch.distributed the ranks must stop at the same batch, or the others
+would wait on the one that stopped: they check at the same iterations (paced
+by rank 0's clock, agreed at each check) and stop together when any rank's
+loss was bad.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 
 import torch
 
+from fitlib import distributed as fd
 from fitlib.callback import Callback
 
 
@@ -72,6 +78,8 @@ class TerminateOnNaN(Callback):
         # checked; the losses stay on the device.
         self._pending: list[tuple[torch.Tensor, int, int, int]] = []
         self._last_check = time.perf_counter()
+        # Under several processes: the iteration of the next check, agreed.
+        self._next_check: float | None = None
         self.nan_loss: float | None = None
         self.nan_iteration: int | None = None
         self.nan_epoch: int | None = None
@@ -79,9 +87,11 @@ class TerminateOnNaN(Callback):
         self.stop_iteration: int | None = None
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self) -> None:
+    def on_train_begin(self, iteration: int) -> None:
         """Runs before training: forgets the previous fit, starts the clock."""
         self._reset()
+        if fd.world_size() > 1:  # a first check after one batch sets the pace
+            self._next_check = iteration
 
     def on_batch_end(
         self,
@@ -95,7 +105,10 @@ class TerminateOnNaN(Callback):
         if not train:
             return None
         self._pending.append((last_loss, iteration, epoch, num_batch))
-        if time.perf_counter() - self._last_check < self.check_every:
+        if self._next_check is not None:
+            if iteration < self._next_check:
+                return None
+        elif time.perf_counter() - self._last_check < self.check_every:
             return None
         if self._check(stop_iteration=iteration):
             return {"stop_training": True, "skip_validate": True}
@@ -112,16 +125,35 @@ class TerminateOnNaN(Callback):
     def _check(self, stop_iteration: int) -> bool:
         """Checks the pending losses (one host transfer); True if one is bad."""
         pending, self._pending = self._pending, []
-        self._last_check = time.perf_counter()
-        if not pending or self.nan_iteration is not None:
-            return False  # nothing new, or already reported: stop only once
-        all_finite, index, value = _first_non_finite([p[0] for p in pending])
-        if all_finite:
+        now = time.perf_counter()
+        seconds, self._last_check = now - self._last_check, now
+        if self.nan_iteration is not None:
+            return False  # already reported: stop only once
+        bad = None
+        if pending:
+            all_finite, index, value = _first_non_finite([p[0] for p in pending])
+            bad = None if all_finite else (value, *pending[index][1:])
+        if self._next_check is not None:
+            bad = self._agree(bad, stop_iteration, len(pending), seconds)
+        if bad is None:
             return False
-        _, self.nan_iteration, self.nan_epoch, self.nan_batch = pending[index]
-        self.nan_loss, self.stop_iteration = value, stop_iteration
-        print(self._message(), file=sys.stderr)
+        self.nan_loss, self.nan_iteration, self.nan_epoch, self.nan_batch = bad
+        self.stop_iteration = stop_iteration
+        if fd.is_main():
+            print(self._message(), file=sys.stderr)
         return True
+
+    def _agree(
+        self, bad: tuple | None, iteration: int, batches: int, seconds: float
+    ) -> tuple | None:
+        """The first bad loss of any rank, and the next check's iteration at
+        rank 0's pace: every rank calls this at the same iteration."""
+        pace = self.check_every * batches / seconds if seconds > 0 else 1.0
+        seen = fd.gather_to_all((bad, pace))
+        pace = seen[0][1]
+        step = 1 if not math.isfinite(pace) else max(1, int(pace))
+        self._next_check = iteration + step if math.isfinite(pace) else math.inf
+        return next((b for b, _ in seen if b is not None), None)
 
     def _message(self) -> str:
         where = (

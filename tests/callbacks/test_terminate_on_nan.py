@@ -237,3 +237,54 @@ def test_check_every_inf_checks_only_at_epoch_ends(clock, capsys):
     assert batch(cb, math.nan, 0) is None
     assert call_hook(cb, "on_epoch_end", iteration=1) == {"stop_training": True}
     assert "checked at each epoch end" in capsys.readouterr().err
+
+
+# -- several processes -------------------------------------------------------------
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """This process as rank 1 of 2; rank 0's side of each check is scripted:
+    ranks["rank0"] is what rank 0 says (its first bad loss or None, its pace)."""
+    from fitlib import distributed as fd
+
+    ranks = {"rank0": (None, 3.0), "checks": []}
+
+    def gather(obj):
+        ranks["checks"].append(obj)
+        return [ranks["rank0"], obj]
+
+    monkeypatch.setattr(fd, "world_size", lambda: 2)
+    monkeypatch.setattr(fd, "rank", lambda: 1)
+    monkeypatch.setattr(fd, "gather_to_all", gather)
+    return ranks
+
+
+def test_ranks_check_at_the_iterations_rank_0_paces(clock, two_ranks):
+    cb = TerminateOnNaN(check_every=1.0)
+    call_hook(cb, "on_train_begin", iteration=0)
+    for i in range(8):
+        clock["now"] += 10.0  # this rank's clock would check every batch
+        assert batch(cb, 1.0, i) is None
+    # After the first batch, then every 3 batches: rank 0's pace, not ours.
+    assert len(two_ranks["checks"]) == 3
+
+
+def test_every_rank_stops_when_one_has_a_bad_loss(clock, two_ranks, capsys):
+    cb = TerminateOnNaN(check_every=1.0)
+    call_hook(cb, "on_train_begin", iteration=0)
+    assert batch(cb, 1.0, 0) is None
+    two_ranks["rank0"] = ((math.inf, 2, 0, 2), 3.0)  # rank 0's loss at iteration 2
+    assert batch(cb, 1.0, 1) is None
+    assert batch(cb, 1.0, 2) is None
+    assert batch(cb, 1.0, 3) == STOP_NOW  # the agreed check: this rank stops too
+    assert (cb.nan_loss, cb.nan_iteration, cb.stop_iteration) == (math.inf, 2, 3)
+    assert capsys.readouterr().err == ""  # rank 0 says it, once
+
+
+def test_the_epoch_end_check_is_agreed_too(clock, two_ranks):
+    cb = TerminateOnNaN(check_every=math.inf)
+    call_hook(cb, "on_train_begin", iteration=0)
+    for i in range(4):
+        batch(cb, 1.0, i)
+    two_ranks["rank0"] = ((math.nan, 3, 0, 3), math.inf)
+    assert call_hook(cb, "on_epoch_end", iteration=4) == {"stop_training": True}
+    assert cb.nan_iteration == 3
