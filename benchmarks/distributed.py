@@ -1,10 +1,12 @@
-"""Training throughput under torchrun on the CPU: 1 process against 2.
+"""Training throughput under torchrun on the CPU: 1 process against 2,
+with DDP and with FSDP2.
 
 Each run trains an MLP (32 -> 256 -> 256 -> 10, batch 64 per process) for
 3 epochs on 16,384 samples with ``DistributedTrainer`` (gloo), one thread per
 process, and reports samples per second over all processes. On a 2-core
 machine this shows the overhead of the process group and the gradient
-all-reduce, not scaling: two processes share two cores with everything else.
+all-reduce (FSDP: parameter all-gathers and gradient reduce-scatters), not
+scaling: two processes share two cores with everything else.
 
 Run: ``.venv/bin/python benchmarks/distributed.py``
 """
@@ -31,7 +33,8 @@ def child() -> None:
     from fitlib.callbacks import DistributedTrainer
 
     torch.set_num_threads(1)
-    trainer = DistributedTrainer(backend="gloo")
+    strategy = sys.argv[sys.argv.index("--child") + 1]
+    trainer = DistributedTrainer(backend="gloo", strategy=strategy)
     torch.manual_seed(0)
     x, y = torch.randn(N, 32), torch.randint(0, 10, (N,))
     data = DataBunch(DataLoader(TensorDataset(x, y), BS, shuffle=True), None, "cpu")
@@ -49,24 +52,29 @@ def child() -> None:
         print(json.dumps({"seconds": seconds, "world": fd.world_size()}))
 
 
-def run(n: int) -> float:
+def run(n: int, strategy: str) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={n}", __file__, "--child"]  # fmt: skip
+           f"--nproc_per_node={n}", __file__, "--child", strategy]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return N * EPOCHS / result["seconds"]
 
 
 def main() -> None:
-    rates = {n: [] for n in (1, 2)}
-    for _ in range(3):  # interleaved: drifts of the machine hit both alike
-        for n in (1, 2):
-            rates[n].append(run(n))
-    best = {n: max(r) for n, r in rates.items()}
-    for n in (1, 2):
-        print(f"{n} process(es): {best[n]:,.0f} samples/s (best of 3)")
-    print(f"2 processes / 1 process: {best[2] / best[1]:.2f}x")
+    runs = [(n, s) for s in ("ddp", "fsdp") for n in (1, 2)]
+    rates = {r: [] for r in runs}
+    for _ in range(3):  # interleaved: drifts of the machine hit all alike
+        for n, strategy in runs:
+            rates[n, strategy].append(run(n, strategy))
+    best = {r: max(v) for r, v in rates.items()}
+    for n, strategy in runs:
+        print(f"{strategy}, {n} process(es): {best[n, strategy]:,.0f} samples/s "
+              "(best of 3)")  # fmt: skip
+    for strategy in ("ddp", "fsdp"):
+        ratio = best[2, strategy] / best[1, strategy]
+        print(f"{strategy}: 2 processes / 1 process: {ratio:.2f}x")
+    print(f"fsdp / ddp, 2 processes: {best[2, 'fsdp'] / best[2, 'ddp']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -27,10 +27,16 @@ from fitlib.core import (
     to_floats,
     validate,
 )
-from fitlib.distributed import is_main
+from fitlib.distributed import barrier, is_main
 from fitlib.errors import name_of
 from fitlib.optim import HPOptimizer, lr_per_group
 from fitlib.serialization import atomic_save, load_model_state, safe_load
+from fitlib.sharding import (
+    is_sharded,
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+)
 from fitlib.shortcuts import TrainingShortcuts
 
 LR = float | slice | Sequence[float]
@@ -260,24 +266,32 @@ class Learner(TrainingShortcuts):
         """Saves the model (and optimizer) to ``path/models/name.pth`` atomically.
 
         With the optimizer go the states of the Learner's stateful callbacks
-        (such as ``MixedPrecision``'s loss scale), keyed by class name.
+        (such as ``MixedPrecision``'s loss scale), keyed by class name. Under
+        torch.distributed rank 0 writes; a model sharded with FSDP is gathered
+        from every rank, so there call ``save`` on every rank.
         """
-        state: dict[str, Any] = {"model": self.model.state_dict()}
+        state: dict[str, Any] = {"model": model_state(self.model)}
         if with_opt and self.opt is not None:
-            state["opt"] = self.opt.state_dict()
+            state["opt"] = optimizer_state(self.opt, self.model)
             state["callbacks"] = [
                 [cb.name, cb_state]
                 for cb in self.callbacks
                 if (cb_state := cb.state_dict())
             ]
-        return atomic_save(state, self._file(name))
+        path = self._file(name)
+        if is_main():
+            atomic_save(state, path)
+        if is_sharded(self.model):
+            barrier()  # every rank is here: none loads before the file exists
+        return path
 
     def load(self, name: str | Path, with_opt: bool = True) -> Learner:
         """Loads what ``save`` wrote: weights, optimizer and callback states.
 
         A saved callback state goes to this Learner's callback of the same
         class; one it has no callback for (``MixedPrecision`` when loading for
-        inference in float32, say) is left unused.
+        inference in float32, say) is left unused. A sharded model loads on
+        every rank at once.
         """
         path = self._file(name)
         state = safe_load(path, map_location=model_device(self.model))
@@ -285,7 +299,7 @@ class Learner(TrainingShortcuts):
             raise ValueError(f"{str(path)!r} is not a Learner.save file.")
         load_model_state(self.model, state["model"], repr(str(path)))
         if with_opt and "opt" in state:
-            self.create_opt(1e-3).load_state_dict(state["opt"])
+            load_optimizer_state(self.create_opt(1e-3), self.model, state["opt"])
             # A state whose callback this Learner lacks is not needed here.
             give_states(self.callbacks, state.get("callbacks", []))
         return self

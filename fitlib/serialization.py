@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fitlib.sharding import is_dtensor, load_model
+
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """Saves ``obj`` with ``torch.save`` so that ``path`` is never half written.
@@ -43,7 +45,9 @@ def host_copy(x: Any) -> Any:
     """``x`` with every tensor copied to the host (dicts, lists, tuples kept).
 
     Copies from a GPU are queued without waiting, then awaited once per
-    device: one sync for the whole structure, not one per tensor.
+    device: one sync for the whole structure, not one per tensor. The slices
+    of a sharded model (``DTensor``) are copied where they are: a slice is
+    small, and a ``DTensor`` belongs to its device.
 
     Example:
         >>> saved = host_copy(model.state_dict())
@@ -56,6 +60,8 @@ def host_copy(x: Any) -> Any:
 
 
 def _host_copy(x: Any, devices: set) -> Any:
+    if is_dtensor(x):  # a shard of a sharded model: its mesh is on its device
+        return x.detach().clone()
     if isinstance(x, torch.Tensor):
         cuda = x.device.type == "cuda"
         if cuda:
@@ -104,7 +110,8 @@ def safe_load(path: str | os.PathLike, map_location: Any = None) -> Any:
 
 
 def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
-    """``model.load_state_dict`` with an error that lists what does not match."""
+    """``model.load_state_dict`` with an error that lists what does not match
+    (a whole state: for a model sharded by FSDP, every rank calls it)."""
     own = model.state_dict()
     missing = sorted(own.keys() - state.keys())
     unexpected = sorted(state.keys() - own.keys())
@@ -120,7 +127,7 @@ def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
             f"mismatches: {_short(sorted(mismatched))}. Fix: build the same "
             "model (architecture and sizes) before loading."
         )
-    model.load_state_dict(state)
+    load_model(model, state)
 
 
 def _short(items: list[str], n: int = 8) -> str:

@@ -240,17 +240,30 @@ class TrainingShortcuts:
         return self
 
     def to_distributed(
-        self, backend: str | None = None, find_unused_parameters: bool = False
+        self,
+        backend: str | None = None,
+        find_unused_parameters: bool = False,
+        strategy: str = "ddp",
+        fsdp_units: Any = None,
+        fsdp_kwargs: dict | None = None,
     ) -> Any:
         """Trains on every process of a ``torchrun`` launch (see
-        ``DistributedTrainer``); does nothing in a plain ``python`` run.
+        ``DistributedTrainer`` for the arguments); does nothing in a plain
+        ``python`` run.
 
         Example:
             >>> learn = Learner(data, model).to_distributed()  # torchrun ... train.py
+            >>> learn.to_distributed(strategy="fsdp", fsdp_units=(Block,))
         """
         self.callbacks = [cb for cb in self.callbacks if not _is_dist(cb)]
-        trainer = DistributedTrainer(backend, find_unused_parameters)
-        if trainer.enabled:
+        trainer = DistributedTrainer(
+            backend,
+            find_unused_parameters,
+            strategy=strategy,
+            fsdp_units=fsdp_units,
+            fsdp_kwargs=fsdp_kwargs,
+        )
+        if trainer.enabled and strategy == "ddp":
             self.model.to(trainer.device)  # before the optimizer is created
         self.callbacks.append(trainer)
         return self

@@ -1,10 +1,12 @@
 """Fixtures for the test suite; the builders live in helpers.py."""
 
+import socket
 import time
 
 import matplotlib
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import make_data, make_model
 
 matplotlib.use("Agg")
@@ -18,6 +20,21 @@ def data():
 @pytest.fixture
 def model():
     return make_model()
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """The environment torchrun sets, for a world of one process (gloo)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # Tensor methods that make the host wait for a GPU. ``nonzero``'s output size

@@ -5,7 +5,9 @@ dist_child.py MODE OUT``: trains on the tiny data and writes each rank's final
 weights and last validation results to OUT/rank<r>.pth.
 """
 
+import datetime
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,10 +18,18 @@ from torch.utils.data import DataLoader
 
 from fitlib import Callback, DataBunch, Learner
 from fitlib import distributed as fd
-from fitlib.callbacks import Checkpoint, CSVLogger, GradientAccumulation
+from fitlib.callbacks import (
+    Checkpoint,
+    CSVLogger,
+    EarlyStopping,
+    GradientAccumulation,
+    GradientClipping,
+    TrainStats,
+)
 from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.metrics import F1Score, accuracy
 from fitlib.serialization import atomic_save
+from fitlib.sharding import model_state
 
 
 class Crash(Callback):
@@ -29,6 +39,18 @@ class Crash(Callback):
     def on_batch_end(self, iteration, train):
         if train and iteration == 5 and fd.rank() in self.ranks:
             raise RuntimeError(f"simulated crash on rank {fd.rank()}")
+
+
+class Watch(EarlyStopping):
+    """Notes each epoch's value (its train_loss sums every rank's losses)."""
+
+    def __init__(self):
+        super().__init__(monitor="train_loss", patience=100)
+        self.values = []
+
+    def step(self, value, epoch, model):
+        self.values.append(value)
+        return super().step(value, epoch, model)
 
 
 def model(plain: bool = False) -> nn.Module:
@@ -43,8 +65,14 @@ def model(plain: bool = False) -> nn.Module:
 
 
 def main(mode: str, out: Path) -> None:
+    """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny; a
+    prefix fsdp_ (or fsdp alone for plain) shards the model with FSDP2."""
     torch.set_num_threads(1)
-    trainer = DistributedTrainer()  # joins the process group now
+    fsdp = mode.startswith("fsdp")
+    mode = mode.removeprefix("fsdp").removeprefix("_") or "plain"
+    sharding = {"strategy": "fsdp", "fsdp_units": (nn.Linear,)} if fsdp else {}
+    timeout = datetime.timedelta(seconds=60)  # a hang fails the test, soon
+    trainer = DistributedTrainer(timeout=timeout, **sharding)  # joins the group
     bs = 16 if mode != "accumulate" else 8
     n_valid = 1 if mode == "tiny" else 37
     data = DataBunch(
@@ -52,9 +80,11 @@ def main(mode: str, out: Path) -> None:
         DataLoader(make_dataset(n_valid, seed=1), 8),
         device="cpu",
     )
-    callbacks = [trainer, CSVLogger(out / "log.csv")]
+    stats = TrainStats(every_n_steps=2)
+    callbacks = [trainer, CSVLogger(out / "log.csv"), stats, GradientClipping(1.0)]
+    watch = Watch()  # a resume inside an epoch restores each rank's part of it
     if mode in ("checkpoint", "crash"):
-        callbacks.append(Checkpoint(out / "ckpt", every_n_steps=2))
+        callbacks += [Checkpoint(out / "ckpt", every_n_steps=2), watch]
     if mode == "crash":
         callbacks.append(Crash())
     if mode == "rank1_fails":
@@ -62,12 +92,15 @@ def main(mode: str, out: Path) -> None:
     if mode == "accumulate":
         callbacks.append(GradientAccumulation(2))
     plain = mode in ("accumulate", "big")
-    learn = Learner(data, model(plain), F.cross_entropy, opt_func=torch.optim.SGD,
+    sgd = partial(torch.optim.SGD, momentum=0.9)  # a state to shard and resume
+    learn = Learner(data, model(plain), F.cross_entropy, opt_func=sgd,
                     metrics=[accuracy, F1Score()], callbacks=callbacks)  # fmt: skip
     learn.fit(3, lr=0.1)
     rec = learn.recorder
     result = {
-        "weights": learn.model.state_dict(),
+        "weights": model_state(learn.model),  # whole, on rank 0, also when sharded
+        "grad_norms": [h["grad_norm"] for h in stats.history],
+        "train_losses": watch.values,
         "valid_loss": rec.valid_losses[-1],
         "metrics": rec.metrics[-1],
         "world": fd.world_size(),

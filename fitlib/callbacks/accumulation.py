@@ -76,10 +76,13 @@ class GradientAccumulation(Callback):
         if self._count == 0:  # a group starts: how many batches, how large
             left = self.n_steps if self._len is None else self._len - num_batch
             self._group, self._first = max(min(self.n_steps, left), 1), self._size
-        if self._count + 1 < self._group and hasattr(model, "no_sync"):
-            # DistributedDataParallel: no gradient all-reduce before the step.
-            self._no_sync = model.no_sync()
-            self._no_sync.__enter__()
+        if self._count + 1 < self._group:  # no gradient all-reduce before the step
+            if hasattr(model, "no_sync"):  # DistributedDataParallel
+                self._no_sync = model.no_sync()
+                self._no_sync.__enter__()
+            elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(False)
+                self._no_sync = model
 
     def on_backward_begin(self, last_loss: torch.Tensor) -> dict:
         """Runs before backward: scales the loss by its share of the group."""
@@ -113,9 +116,13 @@ class GradientAccumulation(Callback):
         self._leave_no_sync()
 
     def _leave_no_sync(self) -> None:
-        if self._no_sync is not None:
+        if self._no_sync is None:
+            return
+        if hasattr(self._no_sync, "__exit__"):
             self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
+        else:
+            self._no_sync.set_requires_gradient_sync(True)
+        self._no_sync = None
 
     def state_dict(self) -> dict:
         """The position in the current group (batches, samples)."""

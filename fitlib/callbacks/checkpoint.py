@@ -67,7 +67,8 @@ from fitlib.callbacks.resume import (
 )
 from fitlib.core import len_or_none
 from fitlib.rng import get_rng_state, set_rng_state
-from fitlib.serialization import atomic_save, load_model_state, safe_load
+from fitlib.serialization import atomic_save, host_copy, load_model_state, safe_load
+from fitlib.sharding import load_optimizer_state, model_state, optimizer_state
 
 _NAME = re.compile(r"checkpoint-(\d+)\.pth")
 _DEFAULT = object()  # every_n_epochs left at its default
@@ -245,17 +246,26 @@ class Checkpoint(Callback):
         fd.barrier()  # no rank runs ahead of a save
 
     def _write(self, path: Path, where: Position) -> None:
-        # Every rank's RNG states (each draws its own dropout); rank 0 writes.
+        # Every rank's RNG states (each draws its own dropout) and callback
+        # states (each sums its own losses); rank 0 writes.
         rng = self._rng_before_fetch if where.num_batch else get_rng_state(self._loader)
         rngs, epoch_rngs = fd.gather_to_all(rng), fd.gather_to_all(self._epoch_rng)
+        states = [[cb.name, cb.state_dict()] for cb in self._others]
+        if fd.world_size() > 1:  # host tensors only: they cross to rank 0
+            states = fd.gather_to_all(host_copy(states))
+        else:
+            states = [states]
+        # A sharded model's and optimizer's whole state, gathered from every rank.
+        model, opt = model_state(self._model), optimizer_state(self._opt, self._model)
         if not fd.is_main():
             return
         atomic_save(
             {
                 "fitlib_checkpoint": 1,
-                "model": self._model.state_dict(),
-                "opt": self._opt.state_dict(),
-                "callbacks": [[cb.name, cb.state_dict()] for cb in self._others],
+                "model": model,
+                "opt": opt,
+                "callbacks": states[0],
+                "rank_callbacks": states if len(states) > 1 else None,
                 "monitor": self.monitor.state_dict() if self.monitor else None,
                 "position": where._asdict(),
                 # Inside an epoch: the RNG before its next batch was loaded.
@@ -276,7 +286,7 @@ class Checkpoint(Callback):
                 "of the checkpoint directory, or use another dirpath."
             )
         load_model_state(self._model, saved["model"], repr(str(path)))
-        _own_rng(saved, path)
+        _own_states(saved, path)
         opt_class = type(getattr(self._opt, "opt", self._opt)).__name__
         if saved["opt_class"] != opt_class:
             raise ValueError(
@@ -284,7 +294,7 @@ class Checkpoint(Callback):
                 f"this fit uses {opt_class}: its state cannot continue. Fix: use "
                 f"{saved['opt_class']}, or Checkpoint(resume=False)."
             )
-        self._opt.load_state_dict(saved["opt"])
+        load_optimizer_state(self._opt, self._model, saved["opt"])
         load_callbacks(self._others, saved["callbacks"], path)
         if self.monitor is not None and saved["monitor"] is not None:
             self.monitor.load_state_dict(saved["monitor"])
@@ -331,8 +341,9 @@ class Checkpoint(Callback):
         return f"{self.name}({str(self.dirpath)!r})"
 
 
-def _own_rng(saved: dict, path: Path) -> None:
-    """Keeps this rank's RNG states of a checkpoint (one per rank that saved)."""
+def _own_states(saved: dict, path: Path) -> None:
+    """Keeps this rank's RNG and callback states of a checkpoint (one per rank
+    that saved)."""
     world = fd.world_size()
     if len(saved["rng"]) != world:
         raise ValueError(
@@ -341,6 +352,8 @@ def _own_rng(saved: dict, path: Path) -> None:
             "or Checkpoint(resume=False)."
         )
     saved["rng"] = saved["rng"][fd.rank()]
+    if saved.get("rank_callbacks"):
+        saved["callbacks"] = saved["rank_callbacks"][fd.rank()]
     if saved["epoch_rng"] is not None:
         saved["epoch_rng"] = saved["epoch_rng"][fd.rank()]
 

@@ -14,6 +14,15 @@ even float32 per-batch rounding matches). Callbacks with ``main_only = True``
 and loaded by every rank. ``GradientAccumulation`` skips the gradient
 all-reduce (``no_sync``) on the batches that do not step.
 
+``strategy="fsdp"`` shards the model instead (FSDP2, ``fully_shard``): each
+rank keeps a slice of every parameter, gradient and optimizer state, and
+gathers a unit's parameters only while that unit runs, for models whose
+training state does not fit one GPU. The optimizer is pointed at the sharded
+parameters; checkpoints and ``Learner.save`` gather the whole state on rank 0
+(in the format of a single process, so either loads into the other). As
+every forward then needs every rank, validation runs in lockstep: a rank
+with one batch fewer in its shard runs one more forward, uncounted.
+
 Not launched that way (no ``RANK``/``WORLD_SIZE`` in the environment), it does
 nothing, so the script also runs as a single process.
 """
@@ -21,6 +30,7 @@ nothing, so the script also runs as a single process.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +41,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 
 from fitlib import distributed as fd
 from fitlib.callback import Callback
+from fitlib.core import call_model
+from fitlib.sharding import is_sharded, shard_model
 
 _LOADER_ARGS = (
     "num_workers",
@@ -57,10 +69,21 @@ class DistributedTrainer(Callback):
             when some parameters get no gradient in a step; slower).
         timeout: how long a collective waits for the other ranks before the
             run fails with an error (a crashed or stuck rank).
+        strategy: ``"ddp"`` (a copy of the model per rank) or ``"fsdp"``
+            (the model sharded over the ranks with FSDP2).
+        fsdp_units: with ``"fsdp"``, the submodules that become units of
+            their own (gathered one at a time, so the peak memory is about
+            one unit's whole parameters): module classes, such as your
+            transformer block, or a function ``module -> bool``. None: the
+            whole model is one unit (parameters gathered for each forward;
+            gradients and optimizer state stay sharded).
+        fsdp_kwargs: with ``"fsdp"``, more arguments for ``fully_shard``
+            (``mp_policy``, ``reshard_after_forward``, ``offload_policy``).
 
     Example:
         >>> # torchrun --nproc_per_node=2 train.py
         >>> learn.fit(3, lr=1e-3, callbacks=[DistributedTrainer()])
+        >>> DistributedTrainer(strategy="fsdp", fsdp_units=(Block,))
     """
 
     order = -200  # first: the model, device and data others see are set here
@@ -71,12 +94,17 @@ class DistributedTrainer(Callback):
         backend: str | None = None,
         find_unused_parameters: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+        strategy: str = "ddp",
+        fsdp_units: tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
+        fsdp_kwargs: dict | None = None,
     ) -> None:
         if backend not in (None, "nccl", "gloo"):
             raise ValueError(
                 f"backend must be 'nccl' (CUDA), 'gloo' (CPU) or None (pick by "
                 f"device); got {backend!r}."
             )
+        self.strategy = _check_strategy(strategy, fsdp_units, fsdp_kwargs)
+        self.fsdp_units, self.fsdp_kwargs = _unit_test(fsdp_units), fsdp_kwargs or {}
         self.find_unused_parameters, self.timeout = find_unused_parameters, timeout
         self.enabled = fd.launched()
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -85,22 +113,40 @@ class DistributedTrainer(Callback):
             self.device = _device(self.backend)
             if not fd.active():
                 dist.init_process_group(self.backend, timeout=timeout)
-        self.ddp: DistributedDataParallel | None = None
+        self.module: nn.Module | None = None  # the model, unwrapped
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, model: nn.Module, data: Any, metrics: Any) -> dict | None:
-        """Runs first: device, DDP wrapper, sharded loaders, metric reduction."""
+    def on_train_begin(
+        self, model: nn.Module, opt: Any, data: Any, metrics: Any
+    ) -> dict | None:
+        """Runs first: device, DDP or FSDP, sharded loaders, metric reduction."""
         if not self.enabled:
             return None
-        model.to(self.device)
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(
-            model, device_ids=ids, find_unused_parameters=self.find_unused_parameters
-        )
+        self.module = model
+        fsdp = self.strategy == "fsdp"
+        wrapped = self._shard(model, opt) if fsdp else self._ddp(model)
         metrics.reducer = fd.all_reduce_sum  # validation sums over every rank
         seed = fd.broadcast_int(int(torch.randint(2**31, ()).item()))
         sharded = _Sharded(data, seed)
-        return {"model": self.ddp, "data": sharded}
+        # Under FSDP every forward needs every rank: the longest shard sets the pace.
+        valid = sharded.valid_dl
+        self._valid = (0, 0)  # (this rank's validation batches, the most of any)
+        if valid is not None:
+            self._valid = (len(valid), valid.batch_sampler.longest)
+        return {"model": wrapped, "data": sharded}
+
+    def _ddp(self, model: nn.Module) -> DistributedDataParallel:
+        model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        unused = self.find_unused_parameters
+        return DistributedDataParallel(
+            model, device_ids=ids, find_unused_parameters=unused
+        )
+
+    def _shard(self, model: nn.Module, opt: Any) -> nn.Module:
+        if not is_sharded(model):  # (a later fit: sharded already)
+            shard_model(model, opt, self.device, self.fsdp_units, **self.fsdp_kwargs)
+        return model
 
     def on_epoch_begin(self, epoch: int, data: Any) -> None:
         """Runs at each epoch: a new shuffle, the same on every rank."""
@@ -110,20 +156,30 @@ class DistributedTrainer(Callback):
     def on_batch_begin(self, train: bool, num_batch: int) -> None:
         """Runs before each batch: validation starts from rank 0's buffers."""
         if self.enabled and not train and num_batch == 0:
-            _broadcast_buffers(self.ddp.module)  # batch norm's running stats
+            _broadcast_buffers(self.module)  # batch norm's running stats
+
+    def on_batch_end(self, train: bool, num_batch: int, last_input: Any) -> None:
+        """Runs after each batch: under FSDP, a short validation shard runs one
+        more (uncounted) forward, so that every rank gathers as often."""
+        if train or self.strategy != "fsdp" or not self.enabled:
+            return
+        if num_batch + 1 == self._valid[0] < self._valid[1]:
+            with torch.no_grad():
+                call_model(self.module, last_input)
 
     def on_train_end(self, model: Any, metrics: Any) -> dict | None:
-        """Runs at the end: the plain model comes back, equal on every rank."""
+        """Runs at the end: the plain (or sharded) model comes back, equal on
+        every rank."""
         if not self.enabled:
             return None
-        if self.ddp is not None:
-            _broadcast_buffers(self.ddp.module)
+        if self.module is not None:
+            _broadcast_buffers(self.module)
         metrics.reducer = None
         return {"model": getattr(model, "module", model)}
 
     def __repr__(self) -> str:
         where = f"rank {fd.rank()} of {fd.world_size()}" if self.enabled else "off"
-        return f"{self.name}({self.backend}, {where})"
+        return f"{self.name}({self.strategy}, {self.backend}, {where})"
 
 
 class _Sharded:
@@ -143,6 +199,7 @@ class BatchShard(Sampler):
 
     def __init__(self, batches: list[list[int]], rank: int, world: int) -> None:
         self.batches = batches[rank::world]
+        self.longest = -(-len(batches) // world)  # the first ranks' length
 
     def __iter__(self):
         return iter(self.batches)
@@ -197,6 +254,45 @@ def _broadcast_buffers(module: nn.Module) -> None:
     """Rank 0's buffers on every rank: each training forward updated its own."""
     for buffer in module.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def _check_strategy(strategy: str, units: Any, kwargs: Any) -> str:
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(
+            f"strategy must be 'ddp' (a model copy per process) or 'fsdp' (the "
+            f"model sharded over the processes); got {strategy!r}."
+        )
+    if strategy != "fsdp" and (units is not None or kwargs):
+        raise ValueError(
+            "fsdp_units and fsdp_kwargs configure sharding, but strategy is "
+            f"{strategy!r}. Fix: strategy='fsdp', or leave them out."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(
+            f"fsdp_kwargs must be a dict of fully_shard arguments; got "
+            f"{type(kwargs).__name__}. Fix: e.g. fsdp_kwargs={{'mp_policy': ...}}."
+        )
+    if isinstance(kwargs, dict) and {"mesh", "module"} & kwargs.keys():
+        raise ValueError(
+            "fsdp_kwargs may not set mesh or module: DistributedTrainer shards "
+            "the model over all ranks itself. Fix: leave them out."
+        )
+    return strategy
+
+
+def _unit_test(units: Any) -> Callable[[nn.Module], bool] | None:
+    """``fsdp_units`` as a function ``module -> bool`` (or None)."""
+    if units is None or (callable(units) and not isinstance(units, type)):
+        return units
+    classes = (units,) if isinstance(units, type) else tuple(units)
+    if not classes or not all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+    ):
+        raise TypeError(
+            f"fsdp_units must be nn.Module classes or a function module -> bool; "
+            f"got {units!r}. Fix: e.g. fsdp_units=(TransformerBlock,)."
+        )
+    return lambda module: isinstance(module, classes)
 
 
 def _check_backend(backend: str) -> None:

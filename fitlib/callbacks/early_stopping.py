@@ -17,6 +17,7 @@ from fitlib.callbacks.monitor import Monitor
 from fitlib.core import batch_size
 from fitlib.errors import is_number
 from fitlib.serialization import host_copy
+from fitlib.sharding import load_model, model_state
 
 _STATE_KEYS = ("monitor", "wait", "best_epoch", "stopped_epoch")
 
@@ -139,7 +140,7 @@ class EarlyStopping(Callback):
         self._fitting = False
         restored = self.restore_best and self.best_weights is not None
         if restored:
-            model.load_state_dict(self.best_weights)
+            load_model(model, self.best_weights)
         if self._stopped_now:
             print(self._message(restored))
 
@@ -150,7 +151,8 @@ class EarlyStopping(Callback):
         if improved:
             self.best_epoch = epoch
             if self.restore_best and model is not None:
-                self.best_weights = host_copy(model.state_dict())
+                # (a sharded model: gathered on rank 0, all ranks take part)
+                self.best_weights = host_copy(model_state(model))
         if improved and self._beats_baseline(value):
             self.wait = 0
             return False

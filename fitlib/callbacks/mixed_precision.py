@@ -28,6 +28,7 @@ from fitlib.callback import Callback
 from fitlib.core import model_device
 from fitlib.errors import is_number
 from fitlib.optim import found_inf
+from fitlib.sharding import is_sharded
 
 _DTYPES = {
     torch.float16: torch.float16,
@@ -94,6 +95,13 @@ class MixedPrecision(Callback):
         self._device_type = device.type
         self._autocast = torch.autocast(device.type, dtype=self.dtype)
         if self.dtype is torch.float16:
+            if is_sharded(model):
+                raise ValueError(
+                    "MixedPrecision(float16) with a model sharded by FSDP: each "
+                    "rank would find overflows in its own slice of the gradients "
+                    "and skip steps on its own, so the ranks would drift apart. "
+                    "Fix: bfloat16 (learn.to_bf16()), which needs no loss scaling."
+                )
             self._attach_scaler(device, opt)
 
     def on_batch_begin(self) -> None:

@@ -257,19 +257,12 @@ def _global_mean(
 ) -> float:
     """The sample-weighted mean training loss over every rank (one all-reduce).
 
-    A resumed epoch's earlier part is known to rank 0 only (its state is the
-    one a checkpoint saved), so rank 0 alone adds it: the value then differs
-    from an uninterrupted run's, but is the same on every rank.
+    Each rank adds the part of a resumed epoch that it trained before the
+    resume (``Checkpoint`` saves every rank's state).
     """
-    own = fd.rank() == 0
     total = (
         weighted_sum(losses, sizes) if losses else torch.zeros((), dtype=torch.float64)
     )
-    pair = torch.stack(
-        [
-            total + (carried if own else 0.0),
-            total.new_tensor(float(sum(sizes) + (count if own else 0))),
-        ]
-    )
+    pair = torch.stack([total + carried, total.new_tensor(float(sum(sizes) + count))])
     total, n = to_floats(list(fd.all_reduce_sum(pair)))
     return total / n if n else math.nan

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitlib import distributed as fd
 from fitlib.callback import Callback
 from fitlib.callbacks.tracking import (
     TrainClock,
@@ -24,6 +25,7 @@ from fitlib.callbacks.tracking import (
 )
 from fitlib.core import batch_size, to_floats
 from fitlib.metrics import accumulation_dtype
+from fitlib.sharding import is_sharded, local
 
 _STATE_KEYS = (
     "last_step",
@@ -98,11 +100,13 @@ class TrainStats(Callback):
 
     order = -15  # after MixedPrecision unscales (-20), before clipping (-10)
     in_lr_find = False  # a sweep is not part of the run it records
-    main_only = True  # under torch.distributed, rank 0 alone
+    # Under torch.distributed rank 0 alone reports; with a sharded model
+    # (FSDP) every rank takes part in the norms, each holding a slice.
 
     def __init__(self, every_n_steps: int = 100) -> None:
         self.every_n_steps = check_every_n_steps(every_n_steps, "TrainStats")
         self.logger = logging.getLogger("fitlib.stats")
+        self._sharded, self._active = False, True
         self._reset()
 
     def _reset(self) -> None:
@@ -114,8 +118,10 @@ class TrainStats(Callback):
         self._clock = TrainClock()
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, iteration: int) -> None:
+    def on_train_begin(self, iteration: int, model: nn.Module) -> None:
         """Runs before training: starts afresh, unless the fit is resumed."""
+        self._sharded = model is not None and is_sharded(model)
+        self._active = fd.is_main() or self._sharded
         if iteration == 0:
             self._reset()
 
@@ -125,9 +131,9 @@ class TrainStats(Callback):
 
     def on_backward_end(self, model: nn.Module, skip_step: bool) -> None:
         """Runs after ``backward()``: the gradient norm of a batch that steps."""
-        if skip_step:
+        if skip_step or not self._active:
             return
-        norm = global_norm(p.grad for p in model.parameters() if p.grad is not None)
+        norm = self._norm(p.grad for p in model.parameters() if p.grad is not None)
         if norm is not None:
             self._norms.append(norm)
 
@@ -140,6 +146,8 @@ class TrainStats(Callback):
         last_input: Any,
     ) -> None:
         """Runs after each batch: counts samples; reports at every n-th step."""
+        if not self._active:
+            return
         if not train:
             self._clock.pause()  # validation is not training time
             return
@@ -154,7 +162,7 @@ class TrainStats(Callback):
     # -- reports ---------------------------------------------------------------
     def _report(self, step: int, model: nn.Module) -> None:
         with torch.no_grad():
-            weight = global_norm(p.detach() for p in model.parameters())
+            weight = self._norm(p.detach() for p in model.parameters())
         grad_sum, finite, n_norms, read = self._read_interval([weight])
         seconds = self._clock.lap()  # after the transfer: the device is done
         stats = {
@@ -168,7 +176,16 @@ class TrainStats(Callback):
         self.history.append(stats)
         self._norms, self._last_step, self._samples = [], step, 0
         self._grad_sum, self._grad_finite, self._grad_steps = 0.0, 0, 0
-        self.logger.info(_line(stats))
+        if fd.is_main():
+            self.logger.info(_line(stats))
+
+    def _norm(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """``global_norm``; of a sharded model's slices, summed over the ranks."""
+        if not self._sharded:
+            return global_norm(tensors)
+        norm = global_norm(local(t) for t in tensors)
+        # (an asynchronous all-reduce: no host sync)
+        return None if norm is None else fd.all_reduce_sum(norm.square()).sqrt()
 
     def _read_interval(
         self, extra: list[torch.Tensor]

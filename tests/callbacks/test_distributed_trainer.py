@@ -1,11 +1,8 @@
 """DistributedTrainer in this process: off without torchrun; bad input, in a
 one-process gloo group. tests/test_distributed.py launches real 2-process runs."""
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, IterableDataset
@@ -13,21 +10,6 @@ from torch.utils.data import DataLoader, IterableDataset
 from fitlib import DataBunch, Learner
 from fitlib import distributed as fd
 from fitlib.callbacks import DistributedTrainer
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    """The environment torchrun sets, for a world of one process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_without_torchrun_it_does_nothing(monkeypatch, tmp_path):

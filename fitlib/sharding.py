@@ -1,0 +1,208 @@
+"""Models sharded with FSDP2 (``fully_shard``): sharding, and whole state dicts.
+
+Under ``DistributedTrainer(strategy="fsdp")`` each rank holds a slice of every
+parameter (a ``DTensor``), so ``model.state_dict()`` is one rank's slices.
+The functions here give the whole state instead, in the same format as an
+unsharded model and a plain optimizer: a file saved from a sharded run loads
+into a single process (``Learner.load``) and the other way round.
+
+Gathering and scattering are collectives: under a sharded model every rank
+calls these functions together. Without a sharded model they are the plain
+``state_dict``/``load_state_dict`` and need no process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or a submodule) was sharded with ``fully_shard``."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    # (Not by the parameters' type: between two forwards of FSDP's outermost
+    # unit they may be whole, plain tensors.)
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``DTensor`` (a tensor spread over processes)."""
+    if not isinstance(x, torch.Tensor) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a ``DTensor``; any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def shard_model(
+    model: nn.Module,
+    opt: Any,
+    device: torch.device,
+    units: Callable[[nn.Module], bool] | None = None,
+    **fsdp_kwargs: Any,
+) -> None:
+    """Applies ``fully_shard`` to ``model`` in place, on one mesh of all ranks.
+
+    Each submodule for which ``units(module)`` is true becomes its own unit
+    (its parameters are gathered only while it runs), then the model itself.
+    ``fully_shard`` replaces the parameters, so the optimizer ``opt`` (an
+    ``HPOptimizer`` or torch optimizer) is pointed at the new ones, with any
+    state it had moved along.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    inner = getattr(opt, "opt", opt)
+    state = _full_optimizer_state(model, inner) if inner.state else None
+    names = {id(p): n for n, p in model.named_parameters()}
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    # Inner units first: a unit owns the parameters no inner unit claimed.
+    for module in reversed(list(model.modules())):
+        if module is not model and units is not None and units(module):
+            fully_shard(module, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    params = dict(model.named_parameters())
+    for group in inner.param_groups:
+        group["params"] = [params[_name(names, p)] for p in group["params"]]
+    if state is not None:
+        inner.state.clear()
+        _set_named(model, inner, state)
+
+
+def model_state(model: nn.Module) -> dict:
+    """``model.state_dict()``; for a sharded model, gathered on rank 0's host
+    (the other ranks get ``{}``)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(gather=True))
+
+
+def load_model(model: nn.Module, state: dict) -> None:
+    """``model.load_state_dict(state)`` for a whole state; a sharded model
+    takes rank 0's ``state`` (the other ranks may pass ``{}``), each rank
+    keeping its slice of every tensor."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    _reshard(model)
+    set_model_state_dict(model, state, options=_options(gather=False, broadcast=True))
+
+
+def optimizer_state(opt: Any, model: nn.Module) -> dict:
+    """``opt.state_dict()``; for a sharded model, gathered on rank 0 (``{}``
+    elsewhere) and keyed like a plain optimizer's (parameter numbers)."""
+    if not is_sharded(model):
+        return opt.state_dict()
+    inner = getattr(opt, "opt", opt)
+    state = _numbered(_full_optimizer_state(model, inner))
+    return {**opt.state_dict(), "opt": state} if inner is not opt else state
+
+
+def load_optimizer_state(opt: Any, model: nn.Module, state: dict) -> None:
+    """``opt.load_state_dict(state)`` for what ``optimizer_state`` returns."""
+    if not is_sharded(model):
+        opt.load_state_dict(state)
+        return
+    inner = getattr(opt, "opt", opt)
+    if inner is not opt:  # HPOptimizer: its own setting, then the torch optimizer's
+        opt.true_wd, state = state["true_wd"], state["opt"]
+    if not state["state"]:  # no tensors to shard (plain SGD): the settings only
+        inner.load_state_dict(state)
+    else:
+        _set_named(model, inner, _named(state, model, inner))
+
+
+def _set_named(model: nn.Module, inner: Any, named: dict) -> None:
+    """Loads a whole by-name optimizer state into the optimizer of a sharded
+    model: each rank keeps its slices."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, inner, named, options=_options(gather=False))
+
+
+# -- formats -------------------------------------------------------------------
+def _full_optimizer_state(model: nn.Module, inner: Any) -> dict:
+    """The optimizer's whole state keyed by parameter name (torch's format)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, inner, options=_options(gather=True))
+
+
+def _numbered(named: dict) -> dict:
+    """A by-name optimizer state keyed by numbers, as ``Optimizer.state_dict``."""
+    if not named:  # a rank other than 0
+        return named
+    order = [n for group in named["param_groups"] for n in group["params"]]
+    index = {n: i for i, n in enumerate(order)}
+    return {
+        "state": {index[n]: s for n, s in named["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]}
+            for g in named["param_groups"]
+        ],
+    }
+
+
+def _named(numbered: dict, model: nn.Module, inner: Any) -> dict:
+    """The reverse of ``_numbered``, by this optimizer's order of parameters."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [_name(names, p) for g in inner.param_groups for p in g["params"]]
+    saved = [len(g["params"]) for g in numbered["param_groups"]]
+    if saved != [len(g["params"]) for g in inner.param_groups]:
+        raise ValueError(
+            f"the saved optimizer state has parameter groups of sizes {saved}, "
+            f"this optimizer {[len(g['params']) for g in inner.param_groups]}. "
+            "Fix: build the same model and layer groups before loading."
+        )
+    return {
+        "state": {order[int(i)]: s for i, s in numbered["state"].items()},
+        "param_groups": [
+            {**g, "params": [order[int(i)] for i in g["params"]]}
+            for g in numbered["param_groups"]
+        ],
+    }
+
+
+def _name(names: dict, param: torch.Tensor) -> str:
+    try:
+        return names[id(param)]
+    except KeyError:
+        raise ValueError(
+            f"the optimizer holds a parameter of shape {tuple(param.shape)} that "
+            "is not in the model, so sharding cannot move it. Fix: build the "
+            "optimizer from model.parameters() only."
+        ) from None
+
+
+def _reshard(model: nn.Module) -> None:
+    """Every unit back to its slices: after a forward without backward
+    (validation), FSDP leaves the outermost unit's parameters whole."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _options(gather: bool, broadcast: bool = False) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Gathering: the whole tensors, on rank 0's host only (the file's writer).
+    return StateDictOptions(
+        full_state_dict=True, cpu_offload=gather, broadcast_from_rank0=broadcast
+    )
