@@ -24,6 +24,7 @@ from fitlib.callbacks import (
     EarlyStopping,
     GradientAccumulation,
     GradientClipping,
+    TerminateOnNaN,
     TrainStats,
 )
 from fitlib.callbacks.distributed import DistributedTrainer
@@ -39,6 +40,13 @@ class Crash(Callback):
     def on_batch_end(self, iteration, train):
         if train and iteration == 5 and fd.rank() in self.ranks:
             raise RuntimeError(f"simulated crash on rank {fd.rank()}")
+
+
+class NaNOnRank1(Callback):
+    def on_loss_begin(self, last_output, iteration, train):
+        if train and iteration == 4 and fd.rank() == 1:
+            return {"last_output": last_output * float("nan")}
+        return None
 
 
 class Watch(EarlyStopping):
@@ -65,7 +73,7 @@ def model(plain: bool = False) -> nn.Module:
 
 
 def main(mode: str, out: Path) -> None:
-    """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny; a
+    """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny, nan; a
     prefix fsdp_ (or fsdp alone for plain) shards the model with FSDP2."""
     torch.set_num_threads(1)
     fsdp = mode.startswith("fsdp")
@@ -91,6 +99,9 @@ def main(mode: str, out: Path) -> None:
         callbacks.append(Crash(ranks=(1,)))
     if mode == "accumulate":
         callbacks.append(GradientAccumulation(2))
+    nan = TerminateOnNaN(check_every=0)  # paced by batches: the same on both ranks
+    if mode == "nan":
+        callbacks += [NaNOnRank1(), nan]
     plain = mode in ("accumulate", "big")
     sgd = partial(torch.optim.SGD, momentum=0.9)  # a state to shard and resume
     learn = Learner(data, model(plain), F.cross_entropy, opt_func=sgd,
@@ -104,6 +115,7 @@ def main(mode: str, out: Path) -> None:
         "valid_loss": rec.valid_losses[-1],
         "metrics": rec.metrics[-1],
         "world": fd.world_size(),
+        "nan": [nan.nan_iteration, nan.stop_iteration, rec.iterations],
     }
     atomic_save(result, out / f"rank{fd.rank()}.pth")
 

@@ -94,6 +94,15 @@ def test_accumulation_skips_all_reduce_but_equals_a_larger_batch(tmp_path):
             assert torch.allclose(acc["weights"][k], v, atol=1e-5), k
 
 
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path):
+    run = torchrun("nan", tmp_path)  # rank 1's loss is NaN at iteration 4
+    assert run.returncode == 0, run.stderr[-3000:]  # no rank left waiting
+    r0, r1 = results(tmp_path)
+    assert r0["nan"][:2] == r1["nan"][:2] == [4, 4]
+    assert r0["nan"][2] == r1["nan"][2]  # the same iterations ran
+    assert run.stderr.count("TerminateOnNaN: training loss was nan") == 1
+
+
 def test_a_world_larger_than_the_data_is_a_clear_error(tmp_path):
     run = torchrun("tiny", tmp_path)
     assert run.returncode != 0
