@@ -34,25 +34,45 @@ def results(out, n=2):
 
 
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plain")
-    run = torchrun("plain", out)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out, run
+def trained(tmp_path_factory):
+    """``trained(mode)``: the output folder and process of a run that
+    succeeded, launched once per mode for the whole module."""
+    done = {}
+
+    def get(mode):
+        if mode not in done:
+            out = tmp_path_factory.mktemp(mode)
+            run = torchrun(mode, out)
+            assert run.returncode == 0, run.stderr[-3000:]
+            done[mode] = out, run
+        return done[mode]
+
+    return get
 
 
-def test_ranks_end_with_identical_weights(plain_run):
-    out, _ = plain_run
-    r0, r1 = results(out)
+def test_ranks_end_with_identical_weights(trained):
+    r0, r1 = results(trained("plain")[0])
     assert r0["world"] == r1["world"] == 2
     assert all(torch.equal(v, r1["weights"][k]) for k, v in r0["weights"].items())
 
 
-def test_reduced_validation_equals_one_process_over_the_whole_set(plain_run):
+def test_fsdp_trains_as_ddp_does(trained):
+    ddp, fsdp = results(trained("plain")[0])[0], results(trained("fsdp")[0])[0]
+    assert fsdp["weights"].keys() == ddp["weights"].keys()
+    for k, v in ddp["weights"].items():
+        assert torch.allclose(fsdp["weights"][k], v, atol=1e-6), k
+    # TrainStats's norms, each over the slices of every rank.
+    assert fsdp["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-5)
+    assert len(ddp["grad_norms"]) == 4  # 9 steps (3 epochs of 3), every 2nd
+    assert results(trained("fsdp")[0])[1]["weights"] == {}  # gathered on rank 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "fsdp"])
+def test_reduced_validation_equals_one_process_over_the_whole_set(trained, mode):
     from dist_child import model
 
-    out, _ = plain_run
-    r0, r1 = results(out)
+    # 5 validation batches: 3 on rank 0, 2 on rank 1 (under FSDP, in lockstep)
+    r0, r1 = results(trained(mode)[0])
     net = model()
     net.load_state_dict(r0["weights"])
     valid = DataLoader(make_dataset(37, seed=1), 8)
@@ -62,33 +82,34 @@ def test_reduced_validation_equals_one_process_over_the_whole_set(plain_run):
         assert r["metrics"] == pytest.approx([acc.item(), f1.item()], rel=1e-12)
 
 
-def test_logs_and_files_are_written_once(plain_run):
-    out, run = plain_run
+def test_logs_and_files_are_written_once(trained):
+    out, run = trained("plain")
     lines = (out / "log.csv").read_text().splitlines()
     assert len(lines) == 4  # header and 3 epochs, not one set per rank
     table = [line for line in run.stdout.splitlines() if line.startswith("epoch")]
     assert len(table) == 1
 
 
-def test_a_checkpoint_written_by_two_ranks_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("prefix", ["", "fsdp_"])
+def test_a_checkpoint_written_by_two_ranks_resumes_exactly(tmp_path, prefix):
     ref = tmp_path / "ref"
-    assert torchrun("checkpoint", ref).returncode == 0
-    crashed = torchrun("crash", tmp_path / "run")
+    assert torchrun(f"{prefix}checkpoint", ref).returncode == 0
+    crashed = torchrun(f"{prefix}crash", tmp_path / "run")
     assert crashed.returncode != 0 and "simulated crash" in crashed.stderr
-    resumed = torchrun("checkpoint", tmp_path / "run")
+    resumed = torchrun(f"{prefix}checkpoint", tmp_path / "run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resuming from") == 1
     for a, b in zip(results(ref), results(tmp_path / "run")):
         assert all(torch.equal(v, b["weights"][k]) for k, v in a["weights"].items())
+        assert a["grad_norms"] == b["grad_norms"]  # TrainStats resumed with the run
         # The resumed epoch's train_loss: the mean over both ranks' losses.
         assert len(b["train_losses"]) == 2  # epochs 1 (resumed inside) and 2
         assert b["train_losses"] == pytest.approx(a["train_losses"][1:], rel=1e-9)
 
 
-def test_accumulation_skips_all_reduce_but_equals_a_larger_batch(tmp_path):
-    assert torchrun("accumulate", tmp_path / "acc").returncode == 0
-    assert torchrun("big", tmp_path / "big").returncode == 0
-    acc, big = results(tmp_path / "acc")[0], results(tmp_path / "big")[0]
+@pytest.mark.parametrize("mode", ["accumulate", "fsdp_accumulate"])
+def test_accumulation_skips_gradient_sync_but_equals_a_larger_batch(trained, mode):
+    acc, big = results(trained(mode)[0])[0], results(trained("big")[0])[0]
     for k, v in big["weights"].items():
         if v.is_floating_point():
             assert torch.allclose(acc["weights"][k], v, atol=1e-5), k
@@ -113,61 +134,6 @@ def test_a_rank_that_fails_brings_the_group_down_with_its_error(tmp_path):
     run = torchrun("rank1_fails", tmp_path)  # rank 0 would wait on rank 1
     assert run.returncode != 0
     assert "simulated crash on rank 1" in run.stderr
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    run = torchrun("fsdp", out)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out, run
-
-
-def test_fsdp_trains_as_ddp_does(plain_run, fsdp_run):
-    ddp, fsdp = results(plain_run[0])[0], results(fsdp_run[0])[0]
-    assert fsdp["weights"].keys() == ddp["weights"].keys()
-    for k, v in ddp["weights"].items():
-        assert torch.allclose(fsdp["weights"][k], v, atol=1e-6), k
-    # TrainStats's norms, each over the slices of every rank.
-    assert fsdp["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-5)
-    assert len(ddp["grad_norms"]) == 4  # 9 steps (3 epochs of 3), every 2nd
-    assert results(fsdp_run[0])[1]["weights"] == {}  # gathered on rank 0 only
-
-
-def test_fsdp_validation_runs_in_lockstep_and_equals_one_process(fsdp_run):
-    from dist_child import model
-
-    out, _ = fsdp_run  # 5 validation batches: 3 on rank 0, 2 on rank 1
-    r0, r1 = results(out)
-    net = model()
-    net.load_state_dict(r0["weights"])
-    valid = DataLoader(make_dataset(37, seed=1), 8)
-    loss, acc, f1 = validate(net, valid, F.cross_entropy, metrics=[accuracy, F1Score()])
-    for r in (r0, r1):
-        assert r["valid_loss"] == pytest.approx(loss.item(), rel=1e-6)
-        assert r["metrics"] == pytest.approx([acc.item(), f1.item()], rel=1e-6)
-
-
-def test_an_fsdp_checkpoint_resumes_exactly(tmp_path):
-    ref = tmp_path / "ref"
-    assert torchrun("fsdp_checkpoint", ref).returncode == 0
-    crashed = torchrun("fsdp_crash", tmp_path / "run")
-    assert crashed.returncode != 0 and "simulated crash" in crashed.stderr
-    resumed = torchrun("fsdp_checkpoint", tmp_path / "run")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stdout.count("resuming from") == 1
-    a, b = results(ref)[0], results(tmp_path / "run")[0]
-    assert all(torch.equal(v, b["weights"][k]) for k, v in a["weights"].items())
-    assert a["grad_norms"] == b["grad_norms"]  # TrainStats resumed with the run
-
-
-def test_fsdp_accumulation_equals_a_larger_batch(tmp_path):
-    assert torchrun("fsdp_accumulate", tmp_path / "acc").returncode == 0
-    assert torchrun("big", tmp_path / "big").returncode == 0
-    acc, big = results(tmp_path / "acc")[0], results(tmp_path / "big")[0]
-    for k, v in big["weights"].items():
-        if v.is_floating_point():
-            assert torch.allclose(acc["weights"][k], v, atol=1e-5), k
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for NCCL")
