@@ -65,7 +65,7 @@ def shard_model(
 
     inner = getattr(opt, "opt", opt)
     state = _full_optimizer_state(model, inner) if inner.state else None
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = _names(model)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     # Inner units first: a unit owns the parameters no inner unit claimed.
     for module in reversed(list(model.modules())):
@@ -110,7 +110,8 @@ def optimizer_state(opt: Any, model: nn.Module) -> dict:
         return opt.state_dict()
     inner = getattr(opt, "opt", opt)
     state = _numbered(_full_optimizer_state(model, inner))
-    return {**opt.state_dict(), "opt": state} if inner is not opt else state
+    # (HPOptimizer.state_dict's form, with the whole state in place of a slice)
+    return {"opt": state, "true_wd": opt.true_wd} if inner is not opt else state
 
 
 def load_optimizer_state(opt: Any, model: nn.Module, state: dict) -> None:
@@ -160,7 +161,7 @@ def _numbered(named: dict) -> dict:
 
 def _named(numbered: dict, model: nn.Module, inner: Any) -> dict:
     """The reverse of ``_numbered``, by this optimizer's order of parameters."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = _names(model)
     order = [_name(names, p) for g in inner.param_groups for p in g["params"]]
     saved = [len(g["params"]) for g in numbered["param_groups"]]
     if saved != [len(g["params"]) for g in inner.param_groups]:
@@ -176,6 +177,11 @@ def _named(numbered: dict, model: nn.Module, inner: Any) -> dict:
             for g in numbered["param_groups"]
         ],
     }
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name, by ``id``."""
+    return {id(p): n for n, p in model.named_parameters()}
 
 
 def _name(names: dict, param: torch.Tensor) -> str:

@@ -251,10 +251,8 @@ class Checkpoint(Callback):
         rng = self._rng_before_fetch if where.num_batch else get_rng_state(self._loader)
         rngs, epoch_rngs = fd.gather_to_all(rng), fd.gather_to_all(self._epoch_rng)
         states = [[cb.name, cb.state_dict()] for cb in self._others]
-        if fd.world_size() > 1:  # host tensors only: they cross to rank 0
-            states = fd.gather_to_all(host_copy(states))
-        else:
-            states = [states]
+        several = fd.world_size() > 1  # then host tensors only: they cross ranks
+        states = fd.gather_to_all(host_copy(states) if several else states)
         # A sharded model's and optimizer's whole state, gathered from every rank.
         model, opt = model_state(self._model), optimizer_state(self._opt, self._model)
         if not fd.is_main():
