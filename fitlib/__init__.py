@@ -2,7 +2,7 @@
 
 from fitlib import metrics
 from fitlib.callback import Callback, CallbackHandler
-from fitlib.core import DataBunch, fit, loss_batch, validate
+from fitlib.core import DataBunch, fit, iter_fit, loss_batch, validate
 from fitlib.learner import Learner
 from fitlib.optim import HPOptimizer
 
@@ -14,6 +14,7 @@ __all__ = [
     "HPOptimizer",
     "Learner",
     "fit",
+    "iter_fit",
     "loss_batch",
     "metrics",
     "validate",

@@ -65,6 +65,38 @@ skip_validate       set True before ``on_epoch_end`` to skip this validation
 
 ``on_train_end`` also receives ``exception``: the exception that ended
 training, or ``None``.
+
+A hook may return a key only in the events after which something reads it
+(``WRITABLE``); anything else is refused with a ValueError, since the update
+would do nothing:
+
+==================  ==========================================================
+key                 may be returned in
+==================  ==========================================================
+model               ``on_train_begin`` (wrap it, e.g. in DDP)
+data                any event but ``on_train_end``: ``train_dl`` is read at
+                    each epoch's start, ``valid_dl`` before its validation
+n_steps, epoch,     ``on_train_begin`` (the plan, or a resumed position)
+iteration, step
+num_batch           ``on_epoch_begin`` (an epoch resumed part way)
+last_input,         ``on_batch_begin`` (transform the batch)
+last_target
+last_output         ``on_loss_begin`` (what the loss and metrics get) and
+                    ``on_batch_end`` (what later callbacks see)
+last_loss           ``on_backward_begin`` (what ``backward()`` uses) and
+                    ``on_batch_end`` (what later callbacks record)
+last_metrics        ``on_epoch_end``, with as many values as it had
+stop_epoch          the batch events
+stop_training,      any event but ``on_train_end``
+max_steps
+skip_bwd            ``on_batch_begin`` to ``on_backward_begin``
+skip_step           ``on_batch_begin`` to ``on_backward_end``
+skip_zero           ``on_batch_begin`` to ``on_step_end``
+skip_validate       ``on_epoch_begin`` and the batch events
+==================  ==========================================================
+
+``opt``, ``loss_func``, ``metrics``, ``callbacks``, ``n_epochs``, ``train`` and
+``smooth_loss`` are read only; ``on_train_end`` returns nothing.
 """
 
 from __future__ import annotations
@@ -126,6 +158,33 @@ STATE_KEYS = (
 _VALID_KEYS = frozenset(STATE_KEYS)
 SMOOTH_BETA = 0.98
 
+_BATCH_EVENTS = EVENTS[2:8]  # on_batch_begin ... on_batch_end
+_FIT_EVENTS = EVENTS[:-1]  # all but on_train_end, after which nothing reads
+# The events after which the loop (or a later callback) reads each key a hook
+# may return; the other keys are read only: the loop keeps its own reference
+# (opt, loss_func, metrics...) or owns the value (train, smooth_loss).
+WRITABLE: dict[str, tuple[str, ...]] = {
+    "model": ("on_train_begin",),  # wrapped (DDP) before training starts
+    "data": _FIT_EVENTS,  # train_dl is read at each epoch, valid_dl after it
+    "n_steps": ("on_train_begin",),
+    "max_steps": _FIT_EVENTS,
+    "epoch": ("on_train_begin",),  # a resumed fit's position
+    "iteration": ("on_train_begin",),
+    "step": ("on_train_begin",),
+    "num_batch": ("on_epoch_begin",),  # an epoch resumed part way
+    "last_input": ("on_batch_begin",),
+    "last_target": ("on_batch_begin",),
+    "last_output": ("on_loss_begin", "on_batch_end"),
+    "last_loss": ("on_backward_begin", "on_batch_end"),
+    "last_metrics": ("on_epoch_end",),  # the same number of values
+    "stop_epoch": _BATCH_EVENTS,
+    "stop_training": _FIT_EVENTS,
+    "skip_bwd": EVENTS[2:5],  # up to on_backward_begin
+    "skip_step": EVENTS[2:6],  # up to on_backward_end
+    "skip_zero": EVENTS[2:7],  # up to on_step_end
+    "skip_validate": ("on_epoch_begin", *_BATCH_EVENTS),
+}
+
 
 class Callback:
     """Base class: override the hooks you need; the others cost nothing.
@@ -149,6 +208,11 @@ class Callback:
     # sweep: yes for what shapes a step (mixed precision, accumulation,
     # clipping, yours); no for checkpoints, loggers, schedulers and stoppers.
     in_lr_find: bool = True
+    # The hyper-parameters this callback sets outright at every step (a
+    # schedule): two such callbacks of one fit may not share one, since the
+    # later would silently overwrite the earlier. A callback that adjusts a
+    # value instead (ReduceLROnPlateau) calls opt.scale and lists nothing.
+    sets_hypers: tuple[str, ...] = ()
     # Side effects only (bars, logs, files): under torch.distributed only the
     # process of rank 0 runs it; the others leave it out.
     main_only: bool = False
@@ -242,7 +306,23 @@ def _caller(cb: Callback, event: str) -> Hook:
     return hook_caller(getattr(cb, event), f"{cb.name}.{event}", STATE_KEYS + extra)
 
 
-def _check_callbacks(callbacks: Iterable[Any]) -> list[Callback]:
+def callback_list(callbacks: Iterable[Any] | Callback | None) -> list[Callback]:
+    """``callbacks`` as a checked list: None is none, one callback is a list of it.
+
+    Example:
+        >>> callback_list(Recorder())
+        [Recorder(order=50)]
+    """
+    return _check_callbacks([] if callbacks is None else callbacks)
+
+
+def _check_callbacks(callbacks: Iterable[Any] | Callback) -> list[Callback]:
+    callbacks = [callbacks] if isinstance(callbacks, Callback) else callbacks
+    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, dict)):
+        raise TypeError(
+            f"callbacks must be a list of fitlib.Callback instances; got "
+            f"{callbacks!r}. Fix: e.g. callbacks=[Recorder()]."
+        )
     callbacks = list(callbacks)
     for cb in callbacks:
         if isinstance(cb, type) and issubclass(cb, Callback):
@@ -284,6 +364,57 @@ class LossSmoother:
         return out
 
 
+def _not_writable(cb: Callback, event: str, key: str | None) -> str:
+    may = [k for k, events in WRITABLE.items() if event in events]
+    if key is None:
+        what = "a value, but nothing reads the state after on_train_end"
+    elif key in WRITABLE:
+        what = (
+            f"{key!r}, which takes effect only when returned from "
+            f"{', '.join(WRITABLE[key])}: here it would be ignored or misread"
+        )
+    else:
+        what = (
+            f"{key!r}, which is read only: fit keeps its own reference (or owns "
+            "the value), so the update would do nothing"
+        )
+    return (
+        f"{cb.name}.{event} returned {what}. In {event} a hook may change: "
+        f"{', '.join(may) or 'nothing (return None)'}. Fix: return only those; "
+        "to change something else, do it before fit (or on the object itself, "
+        "e.g. opt.lr = ...)."
+    )
+
+
+def _check_hyper_owners(callbacks: list[Callback]) -> None:
+    owners: dict[str, Callback] = {}
+    for cb in callbacks:
+        inner = getattr(cb, "callback", cb)  # a filter (every, once) wraps one
+        for name in getattr(inner, "sets_hypers", ()):
+            if name in owners:
+                raise ValueError(
+                    f"{owners[name].name} and {inner.name} both set {name!r} at "
+                    "every step: the later would silently overwrite the earlier. "
+                    f"Fix: keep one schedule for {name!r} (one ParamScheduler can "
+                    "hold several phases; fit_one_cycle already schedules lr and "
+                    "mom); ReduceLROnPlateau composes with a schedule."
+                )
+            owners[name] = inner
+
+
+def _check_same_length(cb: Callback, old: Any, new: Any) -> None:
+    n_old = None if old is None else len(old)
+    n_new = None if new is None else len(new)
+    if n_old != n_new:
+        raise ValueError(
+            f"{cb.name}.on_epoch_end returned last_metrics with {n_new} value(s) "
+            f"where the fit has {n_old} ([valid_loss, *metrics]); tables, logs "
+            "and monitors would put the extra values under the wrong names. Fix: "
+            "change values in place only; to report another number, pass it as "
+            "a metric (metrics=[...])."
+        )
+
+
 class CallbackHandler:
     """Keeps the training state and calls the callbacks' hooks in ``order``.
 
@@ -301,10 +432,11 @@ class CallbackHandler:
     """
 
     def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
-        cbs = _check_callbacks(callbacks or [])
+        cbs = callback_list(callbacks)
         if not is_main():  # another rank of a distributed run: no side effects
             cbs = [cb for cb in cbs if not cb.main_only]
         self.callbacks = sorted(cbs, key=lambda cb: cb.order)
+        _check_hyper_owners(self.callbacks)
         self._hooks = {
             ev: [(cb, _caller(cb, ev)) for cb in self.callbacks if _overrides(cb, ev)]
             for ev in EVENTS
@@ -313,11 +445,21 @@ class CallbackHandler:
         self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=False)
         self.state["callbacks"] = list(self.callbacks)
         self.interrupted = False
+        self._checked: set = set()  # the checks done (at a first batch)
         self._smooth_read = any(
             receives(getattr(cb, ev), "smooth_loss")
             for ev, hooks in self._hooks.items()
             for cb, _ in hooks
         )
+
+    def first_batch(self, check: Any) -> bool:
+        """True the first time it is asked about ``check`` (a name): the loop
+        checks the inputs of the loss and metrics once per fit (or per
+        ``validate`` call), at the first batch, when their shapes are known."""
+        if check in self._checked:
+            return False
+        self._checked.add(check)
+        return True
 
     def __call__(self, event: str, **extra: Any) -> None:
         """Calls ``event`` on every callback that overrides it."""
@@ -343,6 +485,11 @@ class CallbackHandler:
                 f"{cb.name}.{event} returned unknown state key(s) "
                 f"{sorted(unknown)}; valid keys are: {', '.join(STATE_KEYS)}."
             )
+        for key in update:
+            if event not in WRITABLE.get(key, ()):
+                raise ValueError(_not_writable(cb, event, key))
+        if "last_metrics" in update:
+            _check_same_length(cb, self.state["last_metrics"], update["last_metrics"])
         self.state.update(update)
 
     # The per-batch methods below assign keys one by one and skip events that no
@@ -457,7 +604,8 @@ class CallbackHandler:
         failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:
-                hook(state)
+                if hook(state):  # None or {}: nothing to apply
+                    raise ValueError(_not_writable(cb, "on_train_end", None))
             except Exception as e:
                 add_note(e, f"fitlib: raised in callback {cb.name}.on_train_end")
                 failures.append(e)

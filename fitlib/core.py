@@ -9,13 +9,26 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from fitlib.callback import Callback, CallbackHandler
-from fitlib.errors import add_note, describe, name_of, reraise
+from fitlib.checks import (
+    REITERABLE,
+    check_data,
+    check_fit_args,
+    check_loader,
+    check_model,
+    check_trainable,
+    explain_model_error,
+    len_or_none,
+    loss_check,
+    one_shot_note,
+)
+from fitlib.errors import describe, name_of, reraise
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 from fitlib.optim import HPOptimizer
 
@@ -78,9 +91,7 @@ def iter_fit(
         >>> for state in iter_fit(None, model, loss_func, opt, data, max_steps=50):
         ...     if state["step"] % 10 == 0: print(state["step"])
     """
-    _check_fit_args(epochs, max_steps, model, loss_func, data)
-    opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
-    opt.stepped = None  # no step of this fit yet (the Recorder reads it)
+    opt = _start(epochs, max_steps, model, loss_func, opt, data)
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
     cb_handler = CallbackHandler(callbacks)
@@ -91,7 +102,6 @@ def iter_fit(
             # A callback may wrap the model (DistributedDataParallel) and shard
             # the data: training goes through the wrapper, validation does not.
             train_model, device = cb_handler.state["model"], model_device(model)
-            valid_dl = getattr(cb_handler.state["data"], "valid_dl", None)
             for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
                 train_model.train()
                 if cb_handler.on_epoch_begin():  # nothing (more) to train
@@ -105,6 +115,7 @@ def iter_fit(
                     if stop:
                         break
                 results = None  # [valid_loss, *metrics] when validation runs
+                valid_dl = getattr(cb_handler.state["data"], "valid_dl", None)
                 if valid_dl is not None and not cb_handler.state["skip_validate"]:
                     results = validate(model, valid_dl, loss_func, cb_handler, metrics)
                 if cb_handler.on_epoch_end(results):
@@ -115,7 +126,29 @@ def iter_fit(
         exception = e
         raise
     finally:
-        cb_handler.on_train_end(exception)
+        try:
+            cb_handler.on_train_end(exception)
+        finally:
+            opt.reset_scales()  # the next fit's lr is what it is given
+
+
+def _start(
+    epochs: Any, max_steps: Any, model: Any, loss_func: Any, opt: Any, data: Any
+) -> HPOptimizer:
+    """Checks a fit's arguments before training; returns the wrapped optimizer,
+    ready for a first step of this fit."""
+    check_fit_args(epochs, max_steps)
+    check_model(model, loss_func)
+    opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
+    check_trainable(model, opt)
+    check_data(data, epochs)
+    opt.stepped = None  # no step of this fit yet (the Recorder reads it)
+    opt.reset_scales()  # reductions (ReduceLROnPlateau) of an earlier fit
+    # Gradients left by an earlier fit that failed between backward() and
+    # zero_grad() must not add to this fit's first step.
+    opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    return opt
 
 
 def loss_batch(
@@ -135,9 +168,16 @@ def loss_batch(
     Example:
         >>> loss = loss_batch(model, xb, yb, F.cross_entropy, opt)
     """
+    # fit and validate check the first batch's loss inputs (known only now); a
+    # loop of the user's passes no handler, which could tell the first batch.
+    first = cb_handler is not None and cb_handler.first_batch(("loss", opt is not None))
     cb_handler = cb_handler or CallbackHandler()
     out = cb_handler.on_loss_begin(call_model(model, xb))
-    loss = _compute_loss(loss_func, out, yb)
+    if first:
+        with loss_check(loss_func, out, as_tuple(yb)):
+            loss = _compute_loss(loss_func, out, yb)
+    else:
+        loss = _compute_loss(loss_func, out, yb)
     if opt is not None:
         # A callback may change the loss for backward only (loss scaling,
         # accumulation): the loss returned and recorded stays loss_func's.
@@ -170,20 +210,23 @@ def validate(
         >>> valid_loss, acc = validate(model, valid_dl, F.cross_entropy,
         ...                            metrics=[accuracy])
     """
+    check_loader(dl, "dl")
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
     cb_handler = cb_handler or CallbackHandler()
     device = model_device(model)
-    model.eval()
     metrics.reset()
     losses, sizes = [], []  # summed once at the end: cheaper than per batch
-    with torch.no_grad():
+    with evaluating(model):
         for xb, yb in batches(dl, device, "valid_dl"):
             xb, yb = cb_handler.on_batch_begin(xb, yb, train=False)
             loss = loss_batch(model, xb, yb, loss_func, None, cb_handler)
             losses.append(loss)
             sizes.append(batch_size(yb, xb))
             if metrics:
-                metrics.update(cb_handler.state["last_output"], as_tuple(yb))
+                out = cb_handler.state["last_output"]
+                if cb_handler.first_batch("metrics"):
+                    metrics.check(out, as_tuple(yb))
+                metrics.update(out, as_tuple(yb))
             if cb_handler.on_batch_end(loss):
                 break
     loss_sum, count = weighted_sum(losses, sizes), sum(sizes)
@@ -193,11 +236,31 @@ def validate(
     return [loss_sum / count, *metrics.compute()]
 
 
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Runs the block in eval mode without gradients, then puts back every
+    module's train/eval mode (and the grad mode), also after an error.
+
+    Example:
+        >>> with evaluating(model):
+        ...     out = model(x)
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 class DataBunch:
     """The training and validation loaders, and the device to train on.
 
     Args:
-        train_dl: an iterable of ``(x, y)`` batches (e.g. a ``DataLoader``).
+        train_dl: an iterable of ``(x, y)`` batches (e.g. a ``DataLoader``);
+            None for a model that is only evaluated (``valid_dl`` given).
         valid_dl: the same for validation, or None to skip validation.
         device: where the ``Learner`` puts the model; None picks CUDA when
             available, else the CPU. ``fit`` moves batches to the model's device.
@@ -213,10 +276,15 @@ class DataBunch:
         valid_dl: Iterable | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        # Either may be None (inference only needs valid_dl); fit checks
+        # train_dl before training.
+        for name, dl in (("train_dl", train_dl), ("valid_dl", valid_dl)):
+            if dl is not None or (name == "train_dl" and valid_dl is None):
+                check_loader(dl, name)
         self.train_dl, self.valid_dl = train_dl, valid_dl
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = check_device(device)
 
     def __repr__(self) -> str:
         train, valid = len_or_none(self.train_dl), len_or_none(self.valid_dl)
@@ -227,6 +295,28 @@ class DataBunch:
 
 
 # -- batches and devices -------------------------------------------------------
+def check_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, if torch knows it and it is available."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device {device!r} is not a torch device ({e}). Fix: 'cpu', 'cuda', "
+            "'cuda:1' or 'mps', or None to pick CUDA when available."
+        ) from None
+    available = {
+        "cuda": torch.cuda.is_available,
+        "mps": torch.backends.mps.is_available,
+    }
+    if device.type in available and not available[device.type]():
+        raise ValueError(
+            f"device {str(device)!r} is not available on this machine (torch "
+            f"sees no {device.type.upper()} device). Fix: device='cpu', or None "
+            "to use CUDA only where it exists."
+        )
+    return device
+
+
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter (CPU for a parameterless one)."""
     param = next(model.parameters(), None)
@@ -258,15 +348,18 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
                 f"{name} yielded a batch of {describe(batch)}; fitlib needs each "
                 "batch to be an (x, y) pair (x: inputs, y: targets; either may be "
                 "a tuple of tensors). Fix: make the dataset return (x, y), or "
-                "wrap the loader, e.g. ((b['x'], b['y']) for b in dl)."
+                "wrap the loader (a generator would last one epoch only): "
+                f"{REITERABLE}"
             )
         yield to_device(batch[0], device), to_device(batch[1], device)
         n += 1
-    if n == 0 and len_or_none(dl) is None:  # a sized one was checked before
+    # An empty sized loader was refused before training; one that says it has
+    # batches and yields none is spent (a one-shot iterator). Length 0 is the
+    # rest of an epoch a checkpoint resumed after its last batch.
+    if n == 0 and len_or_none(dl) != 0:
         raise ValueError(
-            f"{name} yielded no batches; fitlib needs at least one. Fix: check "
-            "the dataset's length, and drop_last=True with a dataset smaller "
-            "than the batch size."
+            f"{name} yielded no batches; fitlib needs at least one."
+            + (one_shot_note(dl) or " Fix: check the dataset's length.")
         )
 
 
@@ -322,20 +415,23 @@ def call_model(model: nn.Module, xb: Any) -> Any:
             return model(**xb)
         return model(*xb) if isinstance(xb, (tuple, list)) else model(xb)
     except Exception as e:
-        add_note(e, f"fitlib: the model was called with input {describe(xb)}")
-        raise
+        explain_model_error(e, model, xb)
 
 
 def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
     try:
         loss = loss_func(out, *as_tuple(yb))
     except Exception as e:
-        reraise(e, _loss_mismatch(loss_func, out, yb))
+        reraise(e, _loss_mismatch(loss_func, out, yb), as_type=ValueError)
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        fix = (
+            "return one total, e.g. the sum of the parts (loss_a + loss_b)"
+            if isinstance(loss, (tuple, list, dict))
+            else "reduce the loss, e.g. reduction='mean', or return loss.mean()"
+        )
         raise ValueError(
             f"loss_func {name_of(loss_func)} returned {describe(loss)}; fitlib "
-            "needs a scalar (0-dim) tensor to call backward(). Fix: reduce the "
-            "loss, e.g. reduction='mean', or return loss.mean()."
+            f"needs a scalar (0-dim) tensor to call backward(). Fix: {fix}."
         )
     return loss
 
@@ -348,70 +444,3 @@ def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:
         "fix the model's output (e.g. one column per class for cross_entropy, "
         "the target's shape for mse_loss) or pass a matching loss_func."
     )
-
-
-def len_or_none(dl: Any) -> int | None:
-    """``len(dl)``, or None for an iterable without a length."""
-    try:
-        return len(dl)
-    except TypeError:
-        return None
-
-
-# -- checks before training ----------------------------------------------------
-def _check_fit_args(
-    epochs: Any, max_steps: Any, model: Any, loss_func: Any, data: Any
-) -> torch.device:
-    for name, value in (("epochs", epochs), ("max_steps", max_steps)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value <= 0
-        ):
-            raise ValueError(
-                f"{name} must be a positive int; got {value!r} "
-                f"({type(value).__name__}). Fix: pass e.g. {name}=3."
-            )
-    if epochs is None and max_steps is None:
-        raise ValueError(
-            "fit needs a length: got epochs=None and max_steps=None. Fix: pass "
-            "epochs (e.g. 3), max_steps (e.g. 1000), or both (the first reached "
-            "ends training)."
-        )
-    check_model(model, loss_func)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            f"model {type(model).__name__} has no trainable parameter (none, or "
-            "all with requires_grad=False), so there is nothing to train. Fix: "
-            "unfreeze it (learn.unfreeze() or p.requires_grad_(True))."
-        )
-    check_data(data)
-    return model_device(model)
-
-
-def check_model(model: Any, loss_func: Any) -> None:
-    """Raises a TypeError that says the fix for a bad model or loss function."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"model must be a torch.nn.Module; got {type(model).__name__}. Fix: "
-            "wrap the function in an nn.Module whose forward calls it."
-        )
-    if not callable(loss_func):
-        raise TypeError(
-            f"loss_func must be callable as loss_func(output, *targets); got "
-            f"{loss_func!r}. Fix: pass e.g. torch.nn.functional.cross_entropy."
-        )
-
-
-def check_data(data: Any) -> None:
-    """Raises a clear error for data without ``train_dl`` or with empty loaders."""
-    if not hasattr(data, "train_dl"):
-        raise TypeError(
-            f"data must have a train_dl attribute; got {type(data).__name__}. "
-            "Fix: wrap your loaders: fitlib.DataBunch(train_dl, valid_dl)."
-        )
-    for name in ("train_dl", "valid_dl"):
-        if len_or_none(getattr(data, name, None)) == 0:
-            raise ValueError(
-                f"data.{name} is empty (len 0); fitlib needs at least one batch. "
-                "Fix: check the dataset, and drop_last=True with a dataset "
-                "smaller than the batch size."
-            )

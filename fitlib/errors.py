@@ -5,6 +5,7 @@ The bottom layer: every module may import it; it imports only torch.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NoReturn
 
 import torch
@@ -52,20 +53,24 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
 
 
-def reraise(exc: Exception, message: str) -> NoReturn:
+def reraise(exc: Exception, message: str, as_type: type | None = None) -> NoReturn:
     """Raises ``exc`` again with ``message`` first, keeping its type.
 
     Call it in an ``except`` block. A plain TypeError, ValueError, RuntimeError
-    or IndexError is raised as a new exception of the same type, chained to the
-    original; any other type (an out-of-memory error, a user's own exception)
-    is raised as it is, with ``message`` as a note.
+    or IndexError is raised as a new exception of the same type (or of
+    ``as_type`` when given, e.g. ValueError for torch's RuntimeError about
+    shapes; a TypeError stays one), chained to the original; any other type
+    (an out-of-memory error, a user's own exception) is raised as it is, with
+    ``message`` as a note.
     """
     if type(exc) in _PLAIN:
-        raise type(exc)(f"{message}\nIt said: {exc}") from exc
+        new = type(exc) if as_type is None or type(exc) is TypeError else as_type
+        raise new(f"{message}\nIt said: {exc}") from exc
     add_note(exc, message)
     raise exc
 
 
 def is_number(x: Any) -> bool:
-    """An int or float, not a bool: what numeric arguments are checked with."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (int, float, numpy's), not a bool: what numeric arguments
+    are checked with."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import metrics as fm
-from fitlib.callback import Callback, CallbackHandler
+from fitlib.callback import Callback, CallbackHandler, callback_list
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.resume import give_states
@@ -20,6 +21,7 @@ from fitlib.core import (
     call_model,
     check_data,
     check_model,
+    evaluating,
     first_tensor,
     iter_fit,
     model_device,
@@ -29,7 +31,7 @@ from fitlib.core import (
 )
 from fitlib.distributed import barrier, is_main
 from fitlib.errors import name_of
-from fitlib.optim import HPOptimizer, lr_per_group
+from fitlib.optim import HPOptimizer, check_hyper, check_opt_func, lr_per_group
 from fitlib.serialization import atomic_save, load_model_state, safe_load
 from fitlib.sharding import (
     is_sharded,
@@ -89,27 +91,35 @@ class Learner(TrainingShortcuts):
         data: Any,
         model: nn.Module,
         loss_func: Callable[..., torch.Tensor] | None = None,
-        opt_func: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+        opt_func: Callable[..., torch.optim.Optimizer] | None = None,
         metrics: list | None = None,
-        callbacks: Iterable[Callback] | None = None,
-        wd: float = 1e-2,
+        callbacks: Iterable[Callback] | Callback | None = None,
+        wd: float | None = None,
         true_wd: bool = True,
         path: str | Path = ".",
         layer_groups: Sequence[Any] | None = None,
         train_bn: bool = True,
         progress: bool = True,
     ) -> None:
-        check_data(data)
+        evaluation_only = getattr(data, "train_dl", 0) is None and (
+            getattr(data, "valid_dl", None) is not None
+        )
+        if not evaluation_only:  # (fit checks train_dl when it starts)
+            check_data(data)
         loss_func = loss_func or getattr(data, "loss_func", None)
         check_model(model, loss_func)
         self.data, self.model, self.loss_func = data, model, loss_func
         if getattr(data, "device", None) is not None:
             self.model.to(data.device)
         self.metrics = _default_metrics(self.loss_func) if metrics is None else metrics
-        self.opt_func, self.wd, self.true_wd = opt_func, wd, true_wd
-        self.path, self.train_bn, self.progress = Path(path), train_bn, progress
+        self.opt_func = opt_func or _default("opt_func", torch.optim.AdamW)
+        check_opt_func(self.opt_func)
+        self.wd = _default("wd", 1e-2) if wd is None else wd
+        check_hyper("wd", [self.wd], wd)
+        self.true_wd = true_wd
+        self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
         self.layer_groups = _split_groups(model, layer_groups)
-        self.callbacks = list(callbacks or [])
+        self.callbacks = callback_list(callbacks)
         self.recorder = Recorder()
         self.opt: HPOptimizer | None = None
 
@@ -126,9 +136,9 @@ class Learner(TrainingShortcuts):
     def fit(
         self,
         epochs: int | None,
-        lr: LR = 1e-3,
+        lr: LR | None = None,
         wd: float | None = None,
-        callbacks: Iterable[Callback] | None = None,
+        callbacks: Iterable[Callback] | Callback | None = None,
         max_steps: int | None = None,
     ) -> None:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps, the
@@ -137,7 +147,7 @@ class Learner(TrainingShortcuts):
         ``lr`` may be a float, one value per layer group, or a ``slice``:
         ``slice(lo, hi)`` spreads rates geometrically from the first group to
         the last, ``slice(hi)`` gives the last group ``hi`` and the others
-        ``hi / 10``.
+        ``hi / 10``. None trains at 1e-3 and says so (``lr_find`` suggests one).
         """
         for _ in self._iter_fit(epochs, lr, wd, callbacks, max_steps):
             pass
@@ -145,9 +155,9 @@ class Learner(TrainingShortcuts):
     def _iter_fit(
         self,
         epochs: int | None,
-        lr: LR,
+        lr: LR | None,
         wd: float | None,
-        callbacks: Iterable[Callback] | None,
+        callbacks: Iterable[Callback] | Callback | None,
         max_steps: int | None,
     ) -> Iterator[dict]:
         """The loop (``iter_fit``) over this Learner's model, data and callbacks."""
@@ -163,7 +173,7 @@ class Learner(TrainingShortcuts):
             max_steps=max_steps,
         )
 
-    def create_opt(self, lr: LR, wd: float | None = None) -> HPOptimizer:
+    def create_opt(self, lr: LR | None, wd: float | None = None) -> HPOptimizer:
         """Creates the optimizer on first use; afterwards only sets lr and wd."""
         lrs, wd = self.lr_range(lr), self.wd if wd is None else wd
         if self.opt is None:
@@ -175,12 +185,14 @@ class Learner(TrainingShortcuts):
             self.opt.lr, self.opt.wd = lrs, wd
         return self.opt
 
-    def _callbacks(self, extra: Iterable[Callback] | None) -> list[Callback]:
-        cbs = [self.recorder, *self.callbacks, *(extra or [])]
+    def _callbacks(self, extra: Iterable[Callback] | Callback | None) -> list:
+        cbs = [self.recorder, *self.callbacks, *callback_list(extra)]
         return [*cbs, ProgressBar()] if self.progress else cbs
 
-    def lr_range(self, lr: LR) -> list[float]:
-        """One learning rate per layer group from a float, slice or sequence."""
+    def lr_range(self, lr: LR | None) -> list[float]:
+        """One learning rate per layer group from a float, slice or sequence
+        (None: the default, 1e-3, said once)."""
+        lr = _default("lr", 1e-3) if lr is None else lr
         return lr_per_group(lr, len(self.layer_groups))
 
     # -- freezing --------------------------------------------------------------
@@ -246,8 +258,7 @@ class Learner(TrainingShortcuts):
         device = model_device(self.model)
         single = _is_single_item(x, self.data)
         xb = _unsqueeze(x) if single else x
-        self.model.eval()
-        with torch.no_grad():
+        with evaluating(self.model):  # then back to the mode it was in
             out = call_model(self.model, to_device(xb, device))
         out = activation(out) if activation is not None else out
         return out[0].cpu() if single else out.cpu()
@@ -309,6 +320,40 @@ class Learner(TrainingShortcuts):
         if name.suffix == ".pth" or name.parent != Path():
             return name
         return self.path / "models" / f"{name}.pth"
+
+
+_DEFAULTS = {
+    "opt_func": "no opt_func given; using torch.optim.AdamW (pass opt_func=... "
+    "to choose, e.g. torch.optim.SGD).",
+    "wd": "no wd given; using weight decay 0.01, decoupled from the gradient "
+    "(true_wd=True, AdamW style; pass wd=0 for none).",
+    "lr": "no lr given; training at lr=1e-3 (learn.lr_find() suggests one; pass "
+    "lr=... to choose).",
+}
+
+
+def _default(name: str, value: Any) -> Any:
+    """``value``, the default of ``name``: said once per process, as the Gluon
+    Fit API asks (users are told when a default is used for them)."""
+    if name not in _said and is_main():
+        _said.add(name)
+        print(f"fitlib: {_DEFAULTS[name]}")
+    return value
+
+
+def _check_path(path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"path must be a directory path (str or os.PathLike); got {path!r}. "
+            "Fix: e.g. Learner(..., path='runs/exp1')."
+        )
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(
+            f"path {str(path)!r} is a file; it must be a directory (save and load "
+            f"use {str(Path(path) / 'models')!r}). Fix: pass its directory, e.g. "
+            f"path={str(Path(path).parent)!r}."
+        )
+    return Path(path)
 
 
 def _default_metrics(loss_func: Callable) -> list:

@@ -17,17 +17,29 @@ With ``true_wd=True`` weight decay is decoupled from the gradient (AdamW
 style, ``p -= lr * wd * p`` before the step) for every optimizer: natively
 where the optimizer has a ``decoupled_weight_decay`` flag, by the wrapper
 otherwise.
+
+Schedules and reductions compose: a scheduler writes through
+``set_scheduled``, which multiplies its value by the factors that ``scale``
+has accumulated in this fit (``ReduceLROnPlateau``'s reductions), as torch's
+chained schedulers multiply. ``set`` and the properties write exactly the
+value given. ``fit`` forgets the factors when it starts and ends; in between
+they live in the parameter groups, so a checkpoint keeps them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
+from fitlib.errors import is_number
+
 HyperParam = float | Sequence[float]
 _TRUE_WD_KEY = "fitlib_true_wd"  # stored in each group, so state_dict keeps it
+NAMES = ("lr", "mom", "wd", "beta")
+_FIX = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
 
 
 class HPOptimizer:
@@ -63,6 +75,8 @@ class HPOptimizer:
         true_wd: bool = False,
     ) -> None:
         _check_positive("lr", lr)
+        check_opt_func(opt_func)
+        params = _check_params(params)
         first_lr = lr if isinstance(lr, (int, float)) else lr[0]
         self._adopt(opt_func(params, lr=first_lr), true_wd)
         self.lr = lr
@@ -180,9 +194,10 @@ class HPOptimizer:
 
         The one write path: the properties and schedulers all come here.
         """
-        values = self._per_group(name, value)
-        if name == "lr":  # 0 is allowed here: a schedule may anneal to it
-            _check_positive("lr", values, allow_zero=True)
+        self._write_values(name, self._per_group(name, value))
+
+    def _write_values(self, name: str, values: list[float]) -> None:
+        """Writes checked values, one per group."""
         if name == "wd" and self.true_wd:
             self._set_true_wd(values)
             return
@@ -191,6 +206,32 @@ class HPOptimizer:
         key, index = self._key(name)
         for group, v in zip(self.param_groups, values):
             _write(group, key, index, v)
+
+    def set_scheduled(self, name: str, value: HyperParam) -> None:
+        """Sets ``name`` to a schedule's ``value`` times the factors ``scale``
+        accumulated in this fit: a reduction persists under a schedule."""
+        values = self._per_group(name, value)
+        factors = [g.get(_scale_key(name), 1.0) for g in self.param_groups]
+        self._write_values(name, [v * f for v, f in zip(values, factors)])
+
+    def scale(self, name: str, factors: HyperParam) -> None:
+        """Multiplies ``name`` by ``factors`` now, and every value a scheduler
+        sets later in this fit (through ``set_scheduled``).
+
+        Example:
+            >>> opt.scale("lr", 0.5)  # halves lr, and the rest of the schedule
+        """
+        factors = self._per_group(f"{name} factor", factors)
+        values = self.get(name)
+        for group, f in zip(self.param_groups, factors):
+            group[_scale_key(name)] = group.get(_scale_key(name), 1.0) * f
+        self.set(name, [v * f for v, f in zip(values, factors)])
+
+    def reset_scales(self) -> None:
+        """Forgets the factors of ``scale`` (``fit`` does, as it starts and ends)."""
+        for group in self.param_groups:
+            for name in NAMES:
+                group.pop(_scale_key(name), None)
 
     @property
     def lr(self) -> float | list[float]:
@@ -261,16 +302,21 @@ class HPOptimizer:
         )
 
     def _per_group(self, name: str, value: HyperParam) -> list[float]:
+        """``value`` (one number, or one per group) as one checked float per group."""
         n = len(self.param_groups)
-        if isinstance(value, (int, float)):
-            return [float(value)] * n
-        values = [float(v) for v in value]
+        if _is_number(value):
+            values = [value] * n
+        elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+            values = list(value)  # a list, tuple, numpy array...
+        else:
+            values = [value]  # refused below, by type
+        check_hyper(name, values, value)
         if len(values) != n:
             raise ValueError(
-                f"{name}: got {len(values)} values {values} for {n} parameter "
-                f"group(s). Fix: pass one float, or exactly {n} values."
+                f"{name}: got {len(values)} values {list(values)} for {n} parameter "
+                f"group(s). Fix: pass one number, or exactly {n} values."
             )
-        return values
+        return [float(v) for v in values]
 
     @torch.no_grad()
     def _decay(self, keep: Any = 1) -> None:
@@ -338,12 +384,76 @@ def lr_per_group(lr: float | slice | Sequence[float], n: int) -> list[float]:
             f"lr: got {lr!r}; a slice needs a positive stop, and a positive "
             "start if any. Fix: lr=slice(1e-5, 1e-3)."
         )
+    if n == 1:
+        raise ValueError(
+            f"lr={lr!r} spreads learning rates over layer groups, but there is "
+            "only 1 parameter group, so the slice would mean nothing. Fix: pass "
+            "one number (e.g. lr=1e-3), or split the model into groups, e.g. "
+            "Learner(..., layer_groups=[body, head])."
+        )
     if lr.start is None:
         return [lr.stop / 10] * (n - 1) + [lr.stop]
-    if n == 1:
-        return [lr.stop]
     ratio = (lr.stop / lr.start) ** (1 / (n - 1))
     return [lr.start * ratio**i for i in range(n)]
+
+
+def check_hyper(name: str, values: Sequence[Any], given: Any = None) -> None:
+    """Refuses values torch would refuse (or misread) for hyper-parameter ``name``:
+    not a number (TypeError); ``lr``, ``wd`` below 0 or infinite, ``mom``,
+    ``beta`` outside [0, 1) (ValueError). A factor must be a finite number >= 0."""
+    given = values if given is None else given
+    base = name.split()[0]
+    example = f"opt.{base} = {_FIX.get(base, '0.5')}"
+    if " " in name:  # a factor of scale()
+        example = f"opt.scale({base!r}, 0.5)"
+    if not all(_is_number(v) for v in values):
+        raise TypeError(
+            f"{name} must be a number (or one per parameter group); got {given!r}"
+            f" ({type(given).__name__}). Fix: e.g. {example}."
+        )
+    if base in ("mom", "beta") and " " not in name:
+        ok, what = all(0 <= v < 1 for v in values), "in [0, 1)"
+    else:
+        ok, what = all(0 <= v < math.inf for v in values), "a finite number >= 0"
+    if not ok:
+        raise ValueError(
+            f"{name} must be {what} (torch refuses other values); got {given!r}. "
+            f"Fix: e.g. {example}."
+        )
+
+
+def _is_number(x: Any) -> bool:
+    """A real number, or a 0-dim tensor holding one (read once, as torch does)."""
+    if isinstance(x, torch.Tensor):
+        return x.ndim == 0 and not x.is_complex() and x.dtype != torch.bool
+    return is_number(x)
+
+
+def _scale_key(name: str) -> str:
+    return f"fitlib_{name}_scale"  # in the group, so a checkpoint keeps it
+
+
+def check_opt_func(opt_func: Any) -> None:
+    """A TypeError unless ``opt_func`` can make an optimizer (a class, a partial)."""
+    if isinstance(opt_func, str) or not callable(opt_func):
+        raise TypeError(
+            f"opt_func must be a torch optimizer class (or a function that makes "
+            f"one from params and lr); got {opt_func!r} ({type(opt_func).__name__})."
+            " Fix: e.g. opt_func=torch.optim.AdamW (or torch.optim.SGD, Adam...)."
+        )
+
+
+def _check_params(params: Any) -> list:
+    params = list(params)
+    if not params or all(
+        isinstance(g, dict) and not list(g.get("params", [])) for g in params
+    ):
+        raise ValueError(
+            "params is empty: the optimizer would have nothing to update. Fix: "
+            "pass the parameters of a model that has some (model.parameters()), "
+            "and check that layer_groups or a filter on requires_grad keeps any."
+        )
+    return params
 
 
 def _check_positive(name: str, value: HyperParam, allow_zero: bool = False) -> None:

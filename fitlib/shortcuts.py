@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fitlib.callback import Callback
+from fitlib.callback import Callback, callback_list
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
@@ -79,12 +79,12 @@ class TrainingShortcuts:
         sched = OneCycleScheduler(
             max_lr, div_factor, pct_start, final_div, moms, total_steps
         )
-        self.fit(epochs, max_lr, wd, callbacks=[sched, *(callbacks or [])])
+        self.fit(epochs, max_lr, wd, callbacks=[sched, *callback_list(callbacks)])
 
     def fit_flat_cos(
         self,
         epochs: int,
-        lr: MaxLR = 1e-3,
+        lr: MaxLR | None = None,
         pct_start: float = 0.75,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
@@ -99,12 +99,12 @@ class TrainingShortcuts:
         _check_fraction("pct_start", pct_start)
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        self.fit(epochs, lr, wd, callbacks=[sched, *(callbacks or [])])
+        self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
 
     def fit_warmup_cos(
         self,
         epochs: int,
-        lr: MaxLR = 1e-3,
+        lr: MaxLR | None = None,
         pct_warmup: float = 0.1,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
@@ -119,7 +119,7 @@ class TrainingShortcuts:
         _check_fraction("pct_warmup", pct_warmup)
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        self.fit(epochs, lr, wd, callbacks=[sched, *(callbacks or [])])
+        self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
 
     def lr_find(
         self,
@@ -177,7 +177,7 @@ class TrainingShortcuts:
         self,
         n_steps: int,
         every: int = 25,
-        lr: MaxLR = 1e-3,
+        lr: MaxLR | None = None,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> Iterator[Snapshot]:

@@ -588,3 +588,104 @@ def test_call_hook_drives_a_hook_as_the_handler_does():
         call_hook(Stop(), "on_epoch_end", lastmetrics=None)
     with pytest.raises(ValueError, match="on_epochend"):
         call_hook(Stop(), "on_epochend")
+
+
+# -- returned keys must take effect ------------------------------------------------
+def returning(event, update):
+    """A callback whose ``event`` hook returns ``update`` once."""
+
+    class Returns(Callback):
+        done = False
+
+    def hook(self, **kwargs):
+        if not self.done:
+            self.done = True
+            return dict(update)
+        return None
+
+    setattr(Returns, event, hook)
+    return Returns()
+
+
+@pytest.mark.parametrize(
+    "event, key",
+    [
+        ("on_train_begin", "opt"),
+        ("on_epoch_begin", "loss_func"),
+        ("on_batch_end", "metrics"),
+        ("on_epoch_end", "n_epochs"),
+        ("on_batch_begin", "model"),
+        ("on_epoch_end", "epoch"),
+        ("on_step_end", "last_output"),
+        ("on_step_end", "skip_step"),
+    ],
+)
+def test_a_key_the_loop_would_not_read_is_refused_naming_where_it_may_go(event, key):
+    with pytest.raises(ValueError) as info:
+        run([returning(event, {key: None})])
+    text = str(info.value)
+    assert f"Returns.{event} returned {key!r}" in text
+    assert f"In {event} a hook may change: " in text
+    assert "would do nothing" in text or "would be ignored or misread" in text
+
+
+def test_keys_where_they_take_effect_are_accepted():
+    seen = []
+
+    class Watch(Callback):
+        order = 5
+
+        def on_epoch_end(self, last_metrics, epoch):
+            seen.append(float(last_metrics[0]))
+
+    class Halve(Callback):
+        def on_epoch_end(self, last_metrics):
+            return {"last_metrics": [last_metrics[0] / 2, *last_metrics[1:]]}
+
+    plain = Recorder()
+    run([plain])
+    run([Halve(), Watch()])  # the same number of values: allowed
+    assert seen[0] == pytest.approx(plain.valid_losses[0] / 2)
+
+
+def test_a_longer_last_metrics_list_is_refused():
+    class AddMetric(Callback):
+        def on_epoch_end(self, last_metrics):
+            return {"last_metrics": [*last_metrics, torch.tensor(0.5)]}
+
+    with pytest.raises(ValueError, match=r"last_metrics with 2 value\(s\) where"):
+        run([AddMetric()])
+
+
+def test_a_value_returned_from_on_train_end_is_refused_and_the_others_still_end():
+    ended = []
+
+    class Ends(Callback):
+        order = 1
+
+        def on_train_end(self):
+            ended.append(True)
+
+    with pytest.raises(ValueError, match=r"nothing reads the state after"):
+        run([returning("on_train_end", {"stop_training": True}), Ends()])
+    assert ended == [True]
+    run([returning("on_train_end", {})])  # an empty update is no update
+
+
+def test_a_single_callback_is_accepted_where_a_list_is_expected():
+    rec = Recorder()
+    run(rec)
+    assert len(rec.losses) == 7
+    with pytest.raises(TypeError, match=r"callbacks must be a list of fitlib"):
+        run("Recorder")
+
+
+def test_two_callbacks_that_schedule_the_same_hyper_parameter_are_refused():
+    from fitlib.callbacks import OneCycleScheduler, ParamScheduler, cosine, every
+
+    one_cycle = OneCycleScheduler(0.1)
+    with pytest.raises(ValueError, match=r"OneCycleScheduler and ParamScheduler both"):
+        run([one_cycle, ParamScheduler({"lr": cosine(0.1, 0.0)})])
+    with pytest.raises(ValueError, match=r"both set 'mom' at every step"):
+        run([every(ParamScheduler({"mom": cosine(0.9, 0.8)}), 2), one_cycle])
+    run([OneCycleScheduler(0.1, moms=None), ParamScheduler({"mom": cosine(0.9, 0.8)})])

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import make_data, make_dataset, make_model
@@ -176,9 +178,11 @@ def test_data_without_train_dl_says_how_to_wrap_loaders():
 
 
 def test_empty_training_loader_is_caught_before_training():
-    empty = DataBunch(DataLoader(TensorDataset(torch.zeros(0, 8), torch.zeros(0))))
+    empty = DataLoader(TensorDataset(torch.zeros(0, 8), torch.zeros(0)))
+    with pytest.raises(ValueError, match=r"^train_dl is empty \(len 0\)"):
+        DataBunch(empty)
     with pytest.raises(ValueError, match=r"data.train_dl is empty \(len 0\)"):
-        _fit(data=empty)
+        _fit(data=SimpleNamespace(train_dl=empty, valid_dl=None))
 
 
 def test_loader_without_len_that_yields_nothing():
@@ -200,10 +204,8 @@ def test_model_output_the_loss_cannot_take_names_the_shapes():
     with pytest.raises(ValueError) as info:
         _fit(loss_func=bce)
     text = str(info.value)
-    assert "loss_func binary_cross_entropy_with_logits failed" in text
-    assert "output Tensor(shape=(16, 3), float32)" in text
-    assert "targets (Tensor(shape=(16,), int64),)" in text
-    assert "It said: Target size" in text
+    assert "loss_func binary_cross_entropy_with_logits got an output of shape " in text
+    assert "(16, 3) and targets of shape (16,), which do not match" in text
 
 
 def test_model_returning_a_tuple_to_a_loss_that_wants_a_tensor():
@@ -240,9 +242,41 @@ def test_failing_metric_is_named():
 
 
 def test_model_forward_error_gets_the_input_shapes_as_a_note():
-    with pytest.raises(RuntimeError) as info:
-        _fit(model=nn.Linear(5, 3))
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("custom failure")
+
+    with pytest.raises(RuntimeError, match="custom failure") as info:
+        _fit(model=nn.Sequential(nn.Linear(8, 3), Broken()))
     assert any("Tensor(shape=(16, 8)" in n for n in info.value.__notes__)
+
+
+def test_a_wrong_input_size_names_the_layer_and_what_it_expects():
+    with pytest.raises(ValueError) as info:
+        _fit(model=nn.Linear(5, 3))
+    text = str(info.value)
+    assert "the model (Linear(in_features=5, out_features=3, bias=True)) got " in text
+    assert "input Tensor(shape=(16, 8), float32): it expects 5 features" in text
+    assert "It said: mat1 and mat2 shapes cannot be multiplied" in text
+    deep = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(5, 3))
+    with pytest.raises(
+        ValueError, match=r"layer '2' of the model \(Linear\(in_f"
+    ) as info:
+        _fit(model=deep)
+    assert "input Tensor(shape=(16, 4), float32): it expects 5 features" in str(
+        info.value
+    )
+    assert "the model was called with Tensor(shape=(16, 8), float32)" in str(info.value)
+    images = [(torch.zeros(4, 3, 8, 8), torch.zeros(4).long())]
+    conv = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Flatten(), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"it expects 1 channels in dimension -3"):
+        _fit(model=conv, data=DataBunch(images))
+
+
+def test_an_input_of_another_dtype_than_the_layer_is_a_type_error():
+    ints = [(torch.randint(0, 5, (16, 8)), torch.randint(0, 3, (16,)))]
+    with pytest.raises(TypeError, match=r"layer '0' of the model .* has float32 "):
+        _fit(data=DataBunch(ints))
 
 
 def test_non_callable_loss_and_non_module_model_and_bad_opt():
@@ -352,3 +386,312 @@ def test_iter_fit_yields_after_each_training_batch_and_ends_cleanly_on_break():
     assert ends == [] or ends == [None]
     gen.close()  # the for loop's break leaves it suspended until collected
     assert ends == [None]
+
+
+# -- evaluation puts back the mode it found -----------------------------------
+def modes(model):
+    return [m.training for m in model.modules()]
+
+
+def test_validate_puts_back_each_modules_mode_and_the_grad_mode():
+    model, data = make_model(), make_data()
+    model.train()
+    model[1].eval()  # a frozen batch norm: a mode a user chose
+    before = modes(model)
+    validate(model, data.valid_dl, F.cross_entropy, metrics=[accuracy])
+    assert modes(model) == before
+    with torch.no_grad():  # validate left no_grad on: the block's mode stays
+        validate(model, data.valid_dl, F.cross_entropy)
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+
+
+def test_validate_puts_back_the_mode_after_an_error():
+    model, data = make_model(), make_data()
+    model.train()
+
+    def broken(out, y):
+        raise RuntimeError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        validate(model, data.valid_dl, broken)
+    assert all(modes(model)) and torch.is_grad_enabled()
+
+
+def test_a_callback_that_validates_mid_epoch_leaves_training_in_train_mode():
+    seen = []
+
+    class Probe(Callback):
+        def on_batch_begin(self, train, num_batch, model, data):
+            if train:
+                seen.append(model.training)
+                if num_batch == 2:  # e.g. a callback that evaluates now and then
+                    validate(model, data.valid_dl, F.cross_entropy)
+
+    _fit(callbacks=[Probe()])
+    assert seen and all(seen), seen
+
+
+# -- a fit never steps on stale gradients --------------------------------------
+def test_a_fit_never_steps_on_gradients_left_by_a_failed_one():
+    class FailAfterBackward(Callback):
+        def on_backward_end(self):
+            raise RuntimeError("crash between backward and zero_grad")
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    data = make_data(shuffle=False)
+    with pytest.raises(RuntimeError, match="crash between"):
+        fit(1, model, F.cross_entropy, opt, data, [FailAfterBackward()])
+    assert any(p.grad is not None for p in model.parameters())  # left behind
+    clean = make_model()
+    clean.load_state_dict(model.state_dict())
+    clean_opt = HPOptimizer(clean.parameters(), torch.optim.SGD, lr=0.1)
+    torch.manual_seed(1)
+    fit(1, model, F.cross_entropy, opt, data)
+    torch.manual_seed(1)
+    fit(1, clean, F.cross_entropy, clean_opt, data)
+    for a, b in zip(model.parameters(), clean.parameters()):
+        assert torch.equal(a, b)
+
+
+# -- fits that would train nothing -----------------------------------------------
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    model, other = make_model(), make_model()
+    opt = HPOptimizer(other.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"none of which is a trainable parameter"):
+        fit(1, model, F.cross_entropy, opt, make_data())
+
+
+def test_a_model_on_the_meta_device_is_refused_before_training():
+    model = nn.Linear(8, 3, device="meta")
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"'meta' device.*to_empty"):
+        fit(1, model, F.cross_entropy, opt, make_data())
+
+
+# -- loss inputs that torch would broadcast or misread ---------------------------
+def regression_data(n=64, bs=16):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1  # shape (n,)
+    ds = TensorDataset(x, y)
+    return DataBunch(DataLoader(ds, bs), DataLoader(ds, bs), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "loss_func",
+    [
+        F.mse_loss,
+        nn.L1Loss(),
+        F.smooth_l1_loss,
+        nn.HuberLoss(),
+        lambda o, y: ((o - y) ** 2).mean(),
+    ],
+    ids=["mse", "l1_module", "smooth_l1", "huber_module", "own_loss"],
+)
+def test_a_loss_whose_inputs_broadcast_is_refused_with_both_shapes(loss_func):
+    model = nn.Linear(3, 1)  # (N, 1) against targets (N,): (N, N) if broadcast
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError) as info:
+        fit(1, model, loss_func, opt, regression_data())
+    text = str(info.value)
+    assert "output of shape (16, 1) and targets of shape (16,)" in text
+    assert "broadcasts to (16, 16)" in text and "y.reshape(-1, 1)" in text
+    assert all(p.grad is None for p in model.parameters())  # before any step
+
+
+def test_validate_refuses_a_broadcasting_loss_too():
+    with pytest.raises(ValueError, match=r"shape \(16, 1\) and targets of shape"):
+        validate(nn.Linear(3, 1), regression_data().valid_dl, F.mse_loss)
+
+
+def test_matching_shapes_and_deliberate_broadcasting_are_left_alone():
+    model = nn.Linear(3, 1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.05)
+    columns = [(x, y.reshape(-1, 1)) for x, y in regression_data().train_dl]
+    fit(1, model, F.mse_loss, opt, DataBunch(columns))  # (N, 1) and (N, 1)
+
+    def aligns_itself(out, y):  # (N, 1) and (N,) given, aligned before comparing
+        return F.mse_loss(out.squeeze(1), y)
+
+    fit(1, model, aligns_itself, opt, regression_data())
+
+    def per_row(out, y):  # (N, 3) minus (N, 1): only the targets expand
+        return (out - y.unsqueeze(-1)).pow(2).mean()
+
+    wide = nn.Linear(3, 3)
+    fit(1, wide, per_row, HPOptimizer(wide.parameters(), torch.optim.SGD, lr=0.05),
+        regression_data())  # fmt: skip
+
+
+def test_cross_entropy_with_float_targets_says_to_make_them_long():
+    data = make_data()
+    floats = [(x, y.float()) for x, y in data.train_dl]
+    with pytest.raises(ValueError, match=r"float targets .*class indices.*y\.long\(\)"):
+        _fit(data=DataBunch(floats))
+
+
+def test_a_class_index_out_of_range_names_it_and_the_number_of_classes():
+    x, y = torch.randn(16, 8), torch.arange(16) % 5  # 5 labels, 3 outputs
+    with pytest.raises(ValueError, match=r"class index [34] for an output with 3 "):
+        _fit(data=DataBunch([(x, y)]))
+    y[0] = -100  # ignore_index: allowed
+    _fit(data=DataBunch([(x, y % 3 - 100 * (y == 0))]))
+
+
+def test_float64_inputs_to_a_float32_model_say_which_to_convert():
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+    with pytest.raises(TypeError, match=r"has float32 parameters, got input .*float64"):
+        _fit(data=DataBunch([(x, y)]))
+
+    class Matmul(nn.Module):  # not a torch layer: judged on the whole model
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8, 3))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with pytest.raises(TypeError, match=r"parameters are float32 but the input is "):
+        _fit(model=Matmul(), data=DataBunch([(x, y)]))
+
+
+# -- loaders ---------------------------------------------------------------------
+def test_a_dataset_where_a_loader_is_expected_is_refused():
+    with pytest.raises(TypeError, match=r"train_dl is a Dataset \(TensorDataset\)"):
+        DataBunch(make_dataset())
+    with pytest.raises(TypeError, match=r"train_dl is None"):
+        DataBunch(None)
+    for_inference = DataBunch(None, make_data().valid_dl)  # evaluation only
+    validate(make_model(), for_inference.valid_dl, F.cross_entropy)
+    with pytest.raises(TypeError, match=r"data.train_dl is None"):
+        _fit(data=for_inference)
+    with pytest.raises(ValueError, match=r"dl is empty"):
+        validate(make_model(), [], F.cross_entropy)
+
+
+def test_devices_that_are_not_or_not_here_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"device 'tpu' is not a torch device"):
+        DataBunch(make_data().train_dl, device="tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"'cuda' is not available.*device='cpu'"):
+        DataBunch(make_data().train_dl, device="cuda")
+
+
+def test_a_one_shot_iterator_is_refused_for_several_epochs_and_explained():
+    batches = list(make_data().train_dl)
+    with pytest.raises(ValueError, match=r"iterator \(generator\).*only once"):
+        _fit(epochs=2, data=DataBunch(b for b in batches))
+    _fit(epochs=1, data=DataBunch(b for b in batches))  # one pass is fine
+    with pytest.raises(ValueError, match=r"can be iterated only once.*__iter__"):
+        _fit(epochs=None, max_steps=100, data=DataBunch(b for b in batches))
+
+
+def test_the_dict_batch_message_shows_a_wrapper_that_lasts_several_epochs():
+    dicts = [{"x": torch.zeros(2, 8), "y": torch.zeros(2).long()}]
+    with pytest.raises(TypeError, match=r"a generator would last one epoch only.*"):
+        _fit(data=DataBunch(dicts))
+
+
+def test_a_loss_returning_a_tuple_is_told_to_return_one_total():
+    def two_parts(out, y):
+        return F.cross_entropy(out, y), out.pow(2).mean()
+
+    with pytest.raises(ValueError, match=r"returned \(Tensor.*sum of the parts"):
+        _fit(loss_func=two_parts)
+
+
+def test_an_own_loss_that_broadcasts_inside_is_caught_where_it_does():
+    def own(out, y):
+        return (out - y).abs().mean()
+
+    model = nn.Linear(3, 1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError) as info:
+        fit(1, model, own, opt, regression_data())
+    assert "output of shape (16, 1) and targets of shape (16,). Inside it, 'sub' " in (
+        str(info.value)
+    )
+    assert "which torch broadcasts to (16, 16)" in str(info.value)
+
+
+def test_a_deliberate_outer_op_of_the_same_rank_is_left_alone():
+    def chamfer(out, y):  # out (N, P, 3), y (N, M, 3): every point against every
+        d = (out.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1)  # (N, P, M)
+        return d.min(2).values.mean() + d.min(1).values.mean()
+
+    class Points(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 5 * 3)
+
+        def forward(self, x):
+            return self.lin(x).view(-1, 5, 3)
+
+    clouds = [(torch.randn(4, 8), torch.randn(4, 7, 3)) for _ in range(2)]
+    model = Points()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.01)
+    fit(1, model, chamfer, opt, DataBunch(clouds))
+
+
+def test_soft_training_targets_do_not_trouble_class_metrics():
+    class MixUp(Callback):  # training targets become class probabilities
+        def on_batch_begin(self, last_input, last_target, train):
+            if train:
+                soft = F.one_hot(last_target, 3).float() * 0.8 + 0.2 / 3
+                return {"last_target": soft}
+
+    rec = Recorder()
+    _fit(callbacks=[MixUp(), rec], metrics=[accuracy])
+    assert 0 <= rec.metrics[0][0] <= 1
+
+
+def test_loss_batch_in_a_loop_of_ones_own_checks_nothing_and_never_syncs(
+    sync_counter,
+):
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    batches = list(make_data().train_dl)
+    sync_counter["n"] = 0
+    for x, y in batches:
+        loss_batch(model, x, y, F.cross_entropy, opt)
+    assert sync_counter["n"] == 0
+
+
+def test_a_sized_iterator_that_restarts_in_iter_is_a_fine_loader():
+    class Prefetcher:  # its own iterator, restarted by __iter__ each epoch
+        def __init__(self, dl):
+            self.dl, self.it = dl, None
+
+        def __iter__(self):
+            self.it = iter(self.dl)
+            return self
+
+        def __next__(self):
+            return next(self.it)
+
+        def __len__(self):
+            return len(self.dl)
+
+    rec = Recorder()
+    _fit(epochs=2, data=DataBunch(Prefetcher(make_data().train_dl)), callbacks=[rec])
+    assert len(rec.losses) == 14
+
+
+def test_a_spent_sized_iterator_stops_an_endless_fit_with_an_error():
+    class Once:  # says it has 7 batches, but yields them only once
+        def __init__(self, batches):
+            self.it = iter(batches)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.it)
+
+        def __len__(self):
+            return 7
+
+    with pytest.raises(ValueError, match=r"train_dl yielded no batches.*only once"):
+        _fit(epochs=None, max_steps=100, data=DataBunch(Once(make_data().train_dl)))

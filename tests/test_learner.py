@@ -4,7 +4,7 @@ from helpers import make_data, make_model
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from fitlib import Learner
+from fitlib import Callback, Learner
 from fitlib.metrics import accuracy
 from fitlib.serialization import atomic_save
 
@@ -270,3 +270,67 @@ def test_predict_with_an_iterable_dataset_treats_input_as_a_batch(tmp_path):
     data.valid_dl = DataLoader(Stream(), 8)
     learn = Learner(data, make_model(), F.cross_entropy, progress=False)
     assert learn.predict(torch.randn(4, 8)).shape == (4, 3)
+
+
+# -- defaults are said; bad arguments are refused before training ---------------
+def test_the_defaults_the_learner_picks_are_said_once_each(capsys, tmp_path):
+    import fitlib.learner
+
+    fitlib.learner._said.clear()
+    learn = learner(tmp_path)
+    learner(tmp_path)
+    out = capsys.readouterr().out
+    assert out.count("no opt_func given; using torch.optim.AdamW") == 1
+    assert out.count("no wd given; using weight decay 0.01") == 1
+    learn.fit(1)
+    learn.fit(1)
+    assert capsys.readouterr().out.count("no lr given; training at lr=1e-3") == 1
+    assert learn.opt.lr == 1e-3 and learn.opt.wd == 0.01
+    assert isinstance(learn.opt.opt, torch.optim.AdamW)
+    fitlib.learner._said.clear()
+    learner(tmp_path, opt_func=torch.optim.SGD, wd=0.0).fit(1, lr=0.1)
+    assert "fitlib: no" not in capsys.readouterr().out
+
+
+def test_bad_learner_arguments_are_refused_naming_them(tmp_path):
+    with pytest.raises(TypeError, match=r"opt_func must be a torch optimizer .*'adam'"):
+        learner(tmp_path, opt_func="adam")
+    with pytest.raises(TypeError, match=r"wd must be a number.*got '0\.01' \(str\)"):
+        learner(tmp_path, wd="0.01")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=r"path '.*notes\.txt' is a file"):
+        Learner(make_data(), make_model(), F.cross_entropy, path=a_file)
+    with pytest.raises(ValueError, match=r"only 1 parameter group"):
+        learner(tmp_path).fit(1, lr=slice(1e-4, 1e-2))
+
+
+def test_one_callback_is_accepted_where_a_list_is_expected(tmp_path):
+    from fitlib.callbacks import Recorder
+
+    extra = Recorder()
+    learn = Learner(make_data(), make_model(), F.cross_entropy, callbacks=extra,
+                    progress=False, path=tmp_path)  # fmt: skip
+    learn.fit(1, lr=1e-2, callbacks=Recorder())
+    assert learn.callbacks == [extra] and len(extra.losses) == 7
+
+
+# -- evaluation inside training leaves training as it was ------------------------
+def test_evaluating_inside_fit_iter_leaves_the_model_training(tmp_path):
+    learn = learner(tmp_path)
+    modes = []
+
+    class Probe(Callback):
+        def on_batch_begin(self, train, model):
+            if train:
+                modes.append(model.training)
+
+    item = learn.data.valid_dl.dataset[0][0]
+    for _ in learn.fit_iter(12, every=3, lr=1e-2, callbacks=[Probe()]):
+        learn.validate()
+        learn.get_preds()
+        learn.predict(item)
+    assert len(modes) == 12 and all(modes), modes
+    learn.model.eval()
+    learn.validate(), learn.predict(item)
+    assert not any(m.training for m in learn.model.modules())

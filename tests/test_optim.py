@@ -152,7 +152,7 @@ def test_set_is_the_one_write_path_for_checks_and_decoupled_decay():
     opt.set("wd", 0.5)
     group = opt.param_groups[0]
     assert group["weight_decay"] == 0.5 and group["decoupled_weight_decay"]
-    with pytest.raises(ValueError, match="lr must be a number >= 0"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
         opt.set("lr", -1e-3)
     opt.set("lr", 0)  # a schedule may anneal to 0: allowed after construction
     assert opt.lr == 0.0
@@ -191,3 +191,86 @@ def test_step_notes_the_lr_and_momentum_it_used(opt_func, mom):
     assert opt.stepped == (0.1, mom)
     train(model, opt, steps=1)
     assert opt.stepped == (0.01, None if mom is None else 0.5)
+
+
+# -- values torch would refuse ---------------------------------------------------
+@pytest.mark.parametrize(
+    "name, value, error, words",
+    [
+        ("mom", "high", TypeError, r"mom must be a number .*got 'high' \(str\)"),
+        ("mom", 1.0, ValueError, r"mom must be in \[0, 1\).*got 1\.0"),
+        ("beta", -0.1, ValueError, r"beta must be in \[0, 1\)"),
+        ("wd", -1e-4, ValueError, r"wd must be a finite number >= 0.*opt\.wd = 1e-2"),
+        ("wd", "0.01", TypeError, r"wd must be a number.*got '0\.01' \(str\)"),
+        ("lr", float("inf"), ValueError, r"lr must be a finite number >= 0"),
+        ("lr", [0.1, "x"], TypeError, r"lr must be a number"),
+    ],
+)
+def test_values_torch_would_refuse_are_refused_naming_the_value(
+    name, value, error, words
+):
+    opt = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-2)
+    before = copy.deepcopy(opt.param_groups[0])
+    with pytest.raises(error, match=words):
+        setattr(opt, name, value)
+    assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == {
+        k: v for k, v in before.items() if k != "params"
+    }
+
+
+def test_an_empty_parameter_list_and_a_string_opt_func_are_refused():
+    with pytest.raises(ValueError, match=r"params is empty.*model\.parameters\(\)"):
+        HPOptimizer([], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="params is empty"):
+        HPOptimizer(nn.ReLU().parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=r"opt_func must be a torch optimizer .*'adam'"):
+        HPOptimizer(params().parameters(), "adam", lr=0.1)
+
+
+def test_a_slice_of_learning_rates_needs_several_groups():
+    from fitlib.optim import lr_per_group
+
+    for lr in (slice(1e-4, 1e-2), slice(1e-2)):
+        with pytest.raises(ValueError, match=r"only 1 parameter group.*layer_groups"):
+            lr_per_group(lr, 1)
+    assert lr_per_group(slice(1e-2), 2) == [1e-3, 1e-2]
+
+
+# -- scale: reductions that persist under a schedule -----------------------------
+def test_scale_multiplies_now_and_every_scheduled_value_until_reset():
+    model = params()
+    groups = [{"params": m.parameters()} for m in model]
+    opt = HPOptimizer(groups, torch.optim.SGD, lr=[0.1, 0.2])
+    opt.scale("lr", 0.5)
+    assert opt.lr == [0.05, 0.1]
+    opt.set_scheduled("lr", [0.4, 0.8])
+    assert opt.lr == [0.2, 0.4]
+    opt.scale("lr", [0.5, 1.0])
+    opt.set_scheduled("lr", 1.0)
+    assert opt.lr == [0.25, 0.5]
+    opt.lr = 0.3  # set writes exactly the value given
+    assert opt.lr == 0.3
+    # The factors live in the param groups: a saved state keeps them.
+    copy_opt = HPOptimizer(
+        [{"params": m.parameters()} for m in params()], torch.optim.SGD, lr=0.1
+    )
+    copy_opt.load_state_dict(opt.state_dict())
+    copy_opt.set_scheduled("lr", 1.0)
+    assert copy_opt.lr == [0.25, 0.5]
+    opt.reset_scales()
+    opt.set_scheduled("lr", 1.0)
+    assert opt.lr == 1.0
+    with pytest.raises(ValueError, match=r"lr factor must be a finite number >= 0"):
+        opt.scale("lr", -1)
+
+
+def test_numpy_numbers_arrays_and_0_dim_tensors_are_numbers_too():
+    import numpy as np
+
+    model = params()
+    groups = [{"params": m.parameters()} for m in model]
+    opt = HPOptimizer(groups, torch.optim.SGD, lr=0.1)
+    opt.lr = np.array([1e-4, 1e-3])
+    assert opt.lr == [1e-4, 1e-3]
+    opt.mom, opt.wd = np.float32(0.5), torch.tensor(0.01)
+    assert opt.mom == 0.5 and opt.wd == pytest.approx(0.01)

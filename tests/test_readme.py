@@ -22,3 +22,16 @@ def test_readme_quick_start_runs_and_learns(tmp_path, monkeypatch):
     assert learn.validate()["accuracy"] > 0.85
     assert (tmp_path / "models" / "stage1.pth").is_file()
     assert len(learn.recorder.train_losses) == 3
+
+
+def test_every_fitlib_name_the_readme_imports_or_mentions_exists():
+    import importlib
+
+    text = README.read_text()
+    imports = re.findall(r"^from (fitlib[\w.]*) import ([\w, ]+)$", text, re.M)
+    assert imports, "the README shows no imports"
+    for module, names in imports:
+        for name in names.split(","):
+            assert hasattr(importlib.import_module(module), name.strip()), (
+                f"README: from {module} import {name.strip()}"
+            )

@@ -167,15 +167,14 @@ class DistributedTrainer(Callback):
             with torch.no_grad():
                 call_model(self.module, last_input)
 
-    def on_train_end(self, model: Any, metrics: Any) -> dict | None:
-        """Runs at the end: the plain (or sharded) model comes back, equal on
-        every rank."""
+    def on_train_end(self, metrics: Any) -> None:
+        """Runs at the end: the model (never wrapped outside the fit) ends
+        equal on every rank."""
         if not self.enabled:
-            return None
+            return
         if self.module is not None:
             _broadcast_buffers(self.module)
         metrics.reducer = None
-        return {"model": getattr(model, "module", model)}
 
     def __repr__(self) -> str:
         where = f"rank {fd.rank()} of {fd.world_size()}" if self.enabled else "off"

@@ -69,7 +69,8 @@ class OneCycleScheduler(ParamScheduler):
         self.max_lr, self.div_factor, self.pct_start = max_lr, div_factor, pct_start
         self.final_div, self.moms = final_div, moms
         # The lr schedule needs the number of parameter groups: built later.
-        super().__init__({"lr": _placeholder}, total_steps)
+        names = ("lr",) if moms is None else ("lr", "mom")
+        super().__init__(dict.fromkeys(names, _placeholder), total_steps)
 
     def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
         """Runs before training: builds the schedules for this optimizer."""

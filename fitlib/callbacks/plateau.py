@@ -37,6 +37,13 @@ class ReduceLROnPlateau(Callback):
     The state resets when a fit starts; a resumed fit (one that begins with
     ``iteration > 0``) keeps what ``load_state_dict`` restored.
 
+    Under a schedule (``fit_one_cycle``, ``ParamScheduler``...) a reduction
+    persists as a factor on the scheduled values for the rest of the fit
+    (``HPOptimizer.scale``), as torch's chained schedulers multiply: after a
+    reduction by 0.2, every later step's lr is 0.2 times the schedule's. The
+    floor ``min_lr`` bounds the lr at the moment of a reduction; a schedule
+    that anneals afterwards may go below it.
+
     Args:
         monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
         factor: the lr multiplier, in (0, 1).
@@ -137,13 +144,15 @@ class ReduceLROnPlateau(Callback):
         new = [n if lr - n > EPS else lr for lr, n in zip(old, new)]
         if new == old:
             return  # every group is at its floor: nothing to record
-        opt.set("lr", new)
+        # A factor, not a value: a scheduler's later values keep the reduction.
+        opt.scale("lr", [n / lr if lr else 1.0 for lr, n in zip(old, new)])
+        opt.set("lr", new)  # exactly: lr * (n / lr) may round off n
         self.reductions.append(epoch)
         if self.verbose:
             print(
                 f"{self.name}: epoch {epoch}: {self.monitor.name}={value:.6g} has "
                 f"not improved for {self.patience + 1} epoch(s); lr {_fmt(old)} "
-                f"-> {_fmt(new)}"
+                f"-> {_fmt(new)} (a schedule's later values are scaled alike)"
             )
 
     def _min_lrs(self, n_groups: int) -> list[float]:

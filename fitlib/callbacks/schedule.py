@@ -175,7 +175,13 @@ class ParamScheduler(Callback):
     def _set(self, opt: Any) -> None:
         step = min(self.step, self.total - 1)
         for name, phases in self.schedules.items():
-            opt.set(name, value_at(phases, step, self.total))
+            # Times the factors of reductions (ReduceLROnPlateau) in this fit.
+            opt.set_scheduled(name, value_at(phases, step, self.total))
+
+    @property
+    def sets_hypers(self) -> tuple[str, ...]:
+        """The hyper-parameters this scheduler sets at every step."""
+        return tuple(self.schedules)
 
     def state_dict(self) -> dict:
         """The position in the schedule: optimizer steps done, of how many."""

@@ -72,6 +72,13 @@ class Metric:
     def compute(self) -> Tensor:
         raise NotImplementedError
 
+    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
+        """Raises a clear error for inputs this metric would score wrongly.
+
+        Called on the first validation batch of a fit, unlike ``update`` it may
+        read values from the device (one sync). Does nothing by default.
+        """
+
     def sums(self) -> list[Tensor]:
         """This process's state as tensors that add up across processes."""
         raise NotImplementedError(self._no_sums())
@@ -133,6 +140,11 @@ class AvgMetric(Metric):
         self.values: list[Tensor] = []  # batch means, summed in compute()
         self.sizes: list[int] = []
         self.total: list[Tensor] | None = None  # [sum, count] from load_sums
+
+    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
+        check = getattr(getattr(self.func, "func", self.func), "check_inputs", None)
+        if check is not None:  # accuracy and the like refuse regression targets
+            check(self.name, output, *targets)
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         ref = targets[0] if targets and targets[0].ndim > 0 else output

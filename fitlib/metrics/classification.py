@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from fitlib.metrics.accumulate import Metric, accumulation_dtype
-from fitlib.metrics.functions import _match, _pred_classes
+from fitlib.metrics.functions import _match, _pred_classes, check_class_targets
 
 
 def _is_number(x: object, above: float, t: type | tuple = (int, float)) -> bool:
@@ -59,6 +59,9 @@ class FBeta(Metric):
         # Flat C*C counts plus one trailing slot for out-of-range targets.
         self.cm: Tensor | None = None
         self.n_cls = 0
+
+    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
+        check_class_targets(self.name, output, *targets)
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         pred, c = _pred_classes(output)

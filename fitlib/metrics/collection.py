@@ -133,6 +133,16 @@ class Metrics:
                 where = f"on output {describe(output)} and targets {describe(targets)}"
                 _reraise(name, where, e)
 
+    def check(self, output: Tensor, targets: tuple) -> None:
+        """Each metric's ``check_inputs`` on a first batch (may read the device)."""
+        for name, m in zip(self.names, self.metrics, strict=True):
+            try:
+                m.check_inputs(output, *targets)
+            except (TypeError, ValueError):
+                raise  # already says what to do
+            except Exception as e:
+                _reraise(name, f"on output {describe(output)}", e)
+
     def compute(self) -> list[Tensor]:
         values = []
         for name, m in zip(self.names, self.metrics, strict=True):

@@ -95,3 +95,25 @@ def mae(out: Tensor, y: Tensor) -> Tensor:
     """
     o, t = _regression_pair(out, y, "mae")
     return (o - t).abs().mean()
+
+
+def check_class_targets(name: str, output: Tensor, *targets: Tensor) -> None:
+    """Refuses targets that are no class labels: floats with a fractional part
+    (a regression's) would score 0 or NaN. Reads one value from the device."""
+    y = targets[0] if targets else None
+    if not isinstance(y, Tensor) or not y.is_floating_point():
+        return
+    fractional = y != y.round()
+    if fractional.any():
+        example = y[fractional][0].item()
+        raise ValueError(
+            f"{name} scores class predictions, but the targets are not class "
+            f"labels: floats such as {example:g} (a regression?). Fix: take "
+            f"{name} out of the metrics and use mse, mae, RMSE() or R2Score(); "
+            "for classification, give class indices (or 0/1 labels)."
+        )
+
+
+# The metrics that need class labels check them on a first batch (Metrics.check).
+for _metric in (accuracy, top_k_accuracy, error_rate):
+    _metric.check_inputs = check_class_targets

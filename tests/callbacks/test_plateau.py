@@ -310,3 +310,47 @@ def test_monitoring_train_loss_adds_no_sync_per_batch(sync_counter):
     assert few >= 3  # the counter works: each epoch end reads the train loss
     assert math.isfinite(plateau_few.monitor.best)
     assert math.isfinite(plateau_many.monitor.best)
+
+
+# -- under a schedule ------------------------------------------------------------
+def cos_lr(step, total, start=0.1, end=0.001):
+    return end + (start - end) / 2 * (math.cos(math.pi * step / (total - 1)) + 1)
+
+
+def test_under_a_schedule_a_reduction_persists_as_a_factor():
+    from fitlib.callbacks import ParamScheduler, cosine
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    plateau = ReduceLROnPlateau("constant", factor=0.5, patience=1, mode="max")
+    sched, rec = ParamScheduler({"lr": cosine(0.1, 0.001)}), Recorder()
+    fit(5, model, F.cross_entropy, opt, make_data(), [sched, plateau, rec], [constant])
+    assert plateau.reductions == [2, 4]
+    # By hand: the cosine's value at each step, halved once after epoch 2 (7
+    # steps an epoch: from step 21 on); the second halving comes after the end.
+    expected = [cos_lr(s, 35) * (0.5 if s >= 21 else 1.0) for s in range(35)]
+    assert rec.lrs == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_reduction_composes_with_one_cycle_and_the_next_fit_starts_clean(tmp_path):
+    from fitlib import Learner
+
+    def run(callbacks):
+        torch.manual_seed(0)
+        learn = Learner(make_data(), make_model(), F.cross_entropy, metrics=[constant],
+                        path=tmp_path, progress=False)  # fmt: skip
+        learn.fit_one_cycle(5, 0.1, callbacks=callbacks)
+        return learn
+
+    plain = run([])
+    plateau = ReduceLROnPlateau("constant", factor=0.2, patience=0, mode="max")
+    reduced = run([plateau])
+    # After epochs 1, 2 and 3; after epoch 4 the lr (1cycle's end, ~4e-7, times
+    # 0.2**3) would change by less than EPS, which torch's rule skips too.
+    assert plateau.reductions == [1, 2, 3]
+    factors = [0.2 ** min(max(s // 7 - 1, 0), 3) for s in range(35)]
+    assert reduced.recorder.lrs == pytest.approx(
+        [lr * f for lr, f in zip(plain.recorder.lrs, factors)], rel=1e-12
+    )
+    reduced.fit_one_cycle(5, 0.1)  # a new fit: the schedule's own values again
+    assert reduced.recorder.lrs[35:] == pytest.approx(plain.recorder.lrs, rel=1e-12)

@@ -59,3 +59,37 @@ def test_average_is_per_sample_not_per_batch():
     y = torch.ones(5, dtype=torch.long)
     # Batches of 4 (all right) and 1 (wrong): per-sample 0.8, per-batch 0.5.
     assert run([accuracy], out, y, (4, 1)) == pytest.approx([0.8])
+
+
+# -- class metrics refuse regression targets -------------------------------------
+def regression_loaders():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=g)
+    y = (x.sum(1, keepdim=True) * 1.7).round(decimals=2)  # floats like 1.23
+    return DataLoader(TensorDataset(x, y), 16)
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "error_rate", "f1"])
+def test_class_metrics_on_regression_targets_are_refused(metric):
+    from torch import nn
+    from torch.nn import functional as F  # noqa: N812
+
+    from fitlib import validate
+    from fitlib.metrics import F1Score, accuracy, error_rate
+
+    m = {"accuracy": accuracy, "error_rate": error_rate, "f1": F1Score()}[metric]
+    name = "f1_score" if metric == "f1" else metric
+    with pytest.raises(ValueError, match=rf"{name} scores class predictions.*R2Score"):
+        validate(nn.Linear(3, 1), regression_loaders(), F.mse_loss, metrics=[m])
+
+
+def test_class_metrics_take_float_labels_that_are_whole_numbers():
+    from fitlib.metrics import Metrics, accuracy
+
+    ms = Metrics([accuracy])
+    out, y = torch.tensor([[2.0], [-1.0]]), torch.tensor([[1.0], [0.0]])
+    ms.check(out, (y,))  # 0/1 labels as floats (BCE): fine
+    ms.update(out, (y,))
+    assert ms.compute()[0].item() == 1.0
