@@ -32,7 +32,14 @@ from fitlib.core import (
 from fitlib.distributed import barrier, is_main
 from fitlib.errors import name_of
 from fitlib.optim import HPOptimizer, check_hyper, check_opt_func, lr_per_group
-from fitlib.serialization import atomic_save, load_model_state, safe_load
+from fitlib.serialization import (
+    atomic_save,
+    check_model_state,
+    load_model_state,
+    optimizer_differences,
+    optimizer_identity,
+    safe_load,
+)
 from fitlib.sharding import (
     is_sharded,
     load_optimizer_state,
@@ -284,6 +291,7 @@ class Learner(TrainingShortcuts):
         state: dict[str, Any] = {"model": model_state(self.model)}
         if with_opt and self.opt is not None:
             state["opt"] = optimizer_state(self.opt, self.model)
+            state["opt_identity"] = optimizer_identity(self.opt)  # checked by load
             state["callbacks"] = [
                 [cb.name, cb_state]
                 for cb in self.callbacks
@@ -302,15 +310,22 @@ class Learner(TrainingShortcuts):
         A saved callback state goes to this Learner's callback of the same
         class; one it has no callback for (``MixedPrecision`` when loading for
         inference in float32, say) is left unused. A sharded model loads on
-        every rank at once.
+        every rank at once. A file of another model, or (``with_opt``) of
+        another optimizer class or number of layer groups, is refused before
+        anything is loaded.
         """
         path = self._file(name)
         state = safe_load(path, map_location=model_device(self.model))
         if not isinstance(state, dict) or "model" not in state:
             raise ValueError(f"{str(path)!r} is not a Learner.save file.")
+        check_model_state(self.model, state["model"], repr(str(path)))
+        with_opt = with_opt and "opt" in state
+        if with_opt:
+            opt = self.opt if self.opt is not None else self.create_opt(1e-3)
+            _check_optimizer(opt, state, path, name)
         load_model_state(self.model, state["model"], repr(str(path)))
-        if with_opt and "opt" in state:
-            load_optimizer_state(self.create_opt(1e-3), self.model, state["opt"])
+        if with_opt:
+            load_optimizer_state(opt, self.model, state["opt"])
             # A state whose callback this Learner lacks is not needed here.
             give_states(self.callbacks, state.get("callbacks", []))
         return self
@@ -423,3 +438,16 @@ def _unsqueeze(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _unsqueeze(v) for k, v in x.items()}
     return type(x)(_unsqueeze(o) for o in x)
+
+
+def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> None:
+    """Refuses a saved optimizer state that cannot continue in ``opt``."""
+    whose = ("the file's", "this Learner's")
+    found = optimizer_differences(opt, state["opt"], state.get("opt_identity"), whose)
+    if found:
+        raise ValueError(
+            f"{str(path)!r} holds the state of another optimizer than this "
+            f"Learner's: {'; '.join(found)}. Fix: learn.load({str(name)!r}, "
+            "with_opt=False) to load the weights only, or build the Learner with "
+            "the opt_func and layer_groups of the run that saved it."
+        )

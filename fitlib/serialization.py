@@ -1,18 +1,27 @@
 """Atomic saves and checked loads of training state.
 
 A save never leaves a half-written file under the final name: it writes a
-temporary file in the same directory, flushes and fsyncs it, renames it over
-the target (atomic on POSIX), then fsyncs the directory so the rename itself
-survives a power cut. Loads use ``torch.load(weights_only=True)``.
+temporary file in the same directory (``.<name>.<random>.tmp``), flushes and
+fsyncs it, renames it over the target (atomic on POSIX), then fsyncs the
+directory so the rename itself survives a power cut. The file gets the mode a
+plain ``open(path, "w")`` would give it: ``0o666`` less the umask when it is
+new, the old file's mode when it replaces one. Loads use
+``torch.load(weights_only=True)``: fitlib never unpickles objects that could
+run code.
 """
 
 from __future__ import annotations
 
 import copy as copy_module
 import os
-import tempfile
+import pickle
+import re
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -27,18 +36,57 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with atomic_write(path) as f:
+        torch.save(obj, f)
+    return path
+
+
+@contextmanager
+def atomic_write(
+    path: str | os.PathLike, mode: str = "wb", newline: str | None = None
+) -> Iterator[IO]:
+    """A file to write that replaces ``path`` only once it is complete (and
+    on disk); an error inside the ``with`` leaves ``path`` as it was.
+
+    Example:
+        >>> with atomic_write("log.csv", "w", newline="") as f:
+        ...     csv.writer(f).writerows(rows)
+    """
+    path = Path(path)
+    tmp, fd = _new_temporary(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode, newline=newline) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
+        _keep_mode(path, tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return path
+
+
+def _new_temporary(path: Path) -> tuple[Path, int]:
+    """A new file next to ``path``, created as ``open()`` creates one: mode
+    0o666 less the umask (``mkstemp`` would make it 0o600)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(16):  # 48 random bits: a clash is all but impossible
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return tmp, os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file next to {path}")
+
+
+def _keep_mode(path: Path, tmp: Path) -> None:
+    """Gives ``tmp`` the mode of the file it replaces, as an overwrite keeps it."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(tmp, mode)
 
 
 def host_copy(x: Any) -> Any:
@@ -86,12 +134,18 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def safe_load(path: str | os.PathLike, map_location: Any = None) -> Any:
+def safe_load(
+    path: str | os.PathLike, map_location: Any = None, mmap: bool = False
+) -> Any:
     """Loads a file written by ``atomic_save`` with ``weights_only=True``.
+
+    ``mmap=True`` maps the tensors' storage instead of reading it (for a look
+    at the small entries of a big file).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is truncated, corrupt or not a torch save file.
+        ValueError: the file is truncated, corrupt or not a torch save file,
+            or it holds Python objects other than tensors and plain values.
     """
     path = Path(path)
     if not path.is_file():
@@ -100,18 +154,49 @@ def safe_load(path: str | os.PathLike, map_location: Any = None) -> Any:
             "save() first."
         )
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
+        objects = _unsafe_objects(path, e)
+        if objects:
+            raise ValueError(
+                f"{str(path)!r} holds Python objects other than tensors, numbers, "
+                f"strings, lists and dicts ({', '.join(objects[:5])}). fitlib "
+                "refuses to unpickle objects that could run code. Fix: save the "
+                "state with plain values only, e.g. torch.save("
+                "model.state_dict(), path), or a callback's state_dict() that "
+                "returns tensors, numbers, strings, lists and dicts."
+            ) from None
         raise ValueError(
             f"could not read {str(path)!r} ({path.stat().st_size} bytes): the "
             "file is truncated, corrupt or not a fitlib/torch save file. Fix: "
-            f"load an earlier save. Loader said: {type(e).__name__}: {e}"
-        ) from e
+            f"load an earlier save.{_loader_said(e)}"
+        ) from (None if "weights_only" in str(e) else e)  # never its advice
 
 
-def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
-    """``model.load_state_dict`` with an error that lists what does not match
-    (a whole state: for a model sharded by FSDP, every rank calls it)."""
+def _unsafe_objects(path: Path, error: Exception) -> list[str]:
+    """The classes and functions a file names that ``weights_only`` refuses
+    (``[]``: the file is damaged instead)."""
+    if not isinstance(error, pickle.UnpicklingError):
+        return []
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # not a zip file (the legacy format): read torch's words
+        return re.findall(r"GLOBAL ([\w.]+)", str(error))
+
+
+def _loader_said(error: Exception) -> str:
+    """torch's reason, unless it advises ``weights_only=False``; then only the
+    unpickler's own words, if any."""
+    message = str(error)
+    if "weights_only" in message:
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)\n", message)
+        return f" Loader said: {found[1].strip()}" if found else ""
+    return f" Loader said: {type(error).__name__}: {message}"
+
+
+def check_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
+    """Raises a ValueError listing what does not match when ``state`` cannot
+    load into ``model`` (keys and shapes); changes nothing."""
     own = model.state_dict()
     missing = sorted(own.keys() - state.keys())
     unexpected = sorted(state.keys() - own.keys())
@@ -127,7 +212,80 @@ def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
             f"mismatches: {_short(sorted(mismatched))}. Fix: build the same "
             "model (architecture and sizes) before loading."
         )
+
+
+def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
+    """``model.load_state_dict`` with an error that lists what does not match
+    (a whole state: for a model sharded by FSDP, every rank calls it)."""
+    check_model_state(model, state, source)
     load_model(model, state)
+
+
+def optimizer_identity(opt: Any) -> dict:
+    """What a saved optimizer state must match to load into ``opt`` (an
+    ``HPOptimizer`` or a torch optimizer): its class and number of groups."""
+    inner = getattr(opt, "opt", opt)
+    return {"opt_class": type(inner).__name__, "param_groups": len(inner.param_groups)}
+
+
+def optimizer_differences(
+    opt: Any, state: dict, saved: dict | None, whose: tuple[str, str]
+) -> list[str]:
+    """How the optimizer state ``state`` (saved with ``optimizer_identity``'s
+    ``saved``, or a part of it; None in files written before fitlib kept it)
+    differs from ``opt``, one line each (``[]``: it loads). ``whose`` names
+    the two sides in the lines, e.g. ``("the file's", "this Learner's")``."""
+    inner, own = getattr(opt, "opt", opt), optimizer_identity(opt)
+    groups = _saved_groups(state)
+    saved = {"opt_class": None, "param_groups": len(groups), **(saved or {})}
+    theirs, ours = whose
+    found = []
+    if saved["opt_class"] not in (None, own["opt_class"]):
+        found.append(
+            f"optimizer: {theirs} {saved['opt_class']}, {ours} {own['opt_class']}"
+        )
+    sizes = [len(g["params"]) for g in groups]
+    own_sizes = [len(g["params"]) for g in inner.param_groups]
+    if saved["param_groups"] != own["param_groups"]:
+        found.append(
+            f"parameter groups: {theirs} {saved['param_groups']}, "
+            f"{ours} {own['param_groups']}"
+        )
+    elif sizes != own_sizes:
+        found.append(f"parameters per group: {theirs} {sizes}, {ours} {own_sizes}")
+    if saved["opt_class"] is None and groups:  # an older file: judge by its keys
+        keys, own_keys = _hyper_keys(groups[0]), _hyper_keys(inner.defaults)
+        if keys != own_keys:
+            found.append(
+                f"hyper-parameters: {theirs} groups have {sorted(keys)}, "
+                f"{ours} {own['opt_class']} has {sorted(own_keys)}"
+            )
+    return found
+
+
+def _saved_groups(state: dict) -> list[dict]:
+    """The parameter groups of an ``HPOptimizer`` or torch optimizer state."""
+    state = state.get("opt", state) if "param_groups" not in state else state
+    return list(state.get("param_groups", []))
+
+
+def _hyper_keys(group: dict) -> set[str]:
+    """A group's numeric hyper-parameters (``lr``, ``betas``, ``momentum``...),
+    not its flags nor what fitlib or torch's schedulers add."""
+
+    def numeric(v: Any) -> bool:
+        if isinstance(v, (tuple, list)):
+            return bool(v) and all(numeric(x) for x in v)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return number or isinstance(v, torch.Tensor)
+
+    return {
+        k
+        for k, v in group.items()
+        if numeric(v)
+        and k not in ("params", "initial_lr")
+        and not k.startswith("fitlib_")
+    }
 
 
 def _short(items: list[str], n: int = 8) -> str:

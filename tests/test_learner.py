@@ -58,7 +58,8 @@ def test_save_keeps_the_loss_scale_and_load_gives_it_back(tmp_path):
     assert fresh.callbacks[0].state_dict() == learn.callbacks[0].state_dict()
     fresh.fit(1, lr=1e-2)  # the scaler starts from the loaded scale
     assert fresh.callbacks[0].scaler.get_scale() == scale
-    learner(tmp_path).load("fp16")  # in float32 the saved scale is not needed
+    # In float32 the saved scale is not needed.
+    learner(tmp_path, opt_func=torch.optim.SGD).load("fp16")
 
 
 def test_loading_into_a_different_model_lists_the_keys(tmp_path):
@@ -270,6 +271,61 @@ def test_predict_with_an_iterable_dataset_treats_input_as_a_batch(tmp_path):
     data.valid_dl = DataLoader(Stream(), 8)
     learn = Learner(data, make_model(), F.cross_entropy, progress=False)
     assert learn.predict(torch.randn(4, 8)).shape == (4, 3)
+
+
+# -- save and load: optimizer checks and file modes --------------------------------
+def test_load_refuses_another_optimizers_state_before_changing_anything(tmp_path):
+    sgd = learner(tmp_path, opt_func=torch.optim.SGD)
+    sgd.fit(1, lr=1e-2)
+    sgd.save("sgd")
+    adamw = learner(tmp_path, model=make_model(seed=1), opt_func=torch.optim.AdamW)
+    before = snapshot(adamw.model)
+    with pytest.raises(ValueError, match="the file's SGD, this Learner's AdamW") as e:
+        adamw.load("sgd")
+    assert "with_opt=False" in str(e.value)
+    assert not any(changed(before, adamw.model))  # refused before loading
+    assert "betas" in adamw.opt.param_groups[0]
+    adamw.load("sgd", with_opt=False)  # the weights alone load
+    assert not any(changed(snapshot(sgd.model), adamw.model))
+
+
+def test_load_refuses_another_number_of_layer_groups(tmp_path):
+    one = learner(tmp_path, model=body_head_model())
+    one.create_opt(1e-2)  # the optimizer is saved with the weights
+    one.save("one_group")
+    model = body_head_model()
+    two = learner(tmp_path, model=model, layer_groups=[model[0], model[1]])
+    with pytest.raises(ValueError, match="parameter groups: the file's 1, this"):
+        two.load("one_group")
+
+
+def test_load_refuses_an_older_file_of_another_optimizer(tmp_path):
+    sgd = learner(tmp_path, opt_func=torch.optim.SGD)
+    sgd.create_opt(1e-2)
+    path = sgd.save("sgd")
+    state = torch.load(path, weights_only=True)
+    state.pop("opt_identity", None)  # as fitlib wrote it before
+    atomic_save(state, path)
+    adamw = learner(tmp_path, opt_func=torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"hyper-parameters: .*'momentum'.*'betas'"):
+        adamw.load("sgd")
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_saved_files_get_the_mode_open_gives_under_the_umask(tmp_path, umask, mode):
+    import os
+    import stat
+
+    learn = learner(tmp_path)
+    old = os.umask(umask)
+    try:
+        path = learn.save("m")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    path.chmod(0o640)
+    learn.save("m")  # an overwrite keeps the file's mode, as open() would
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
 
 
 # -- defaults are said; bad arguments are refused before training ---------------

@@ -28,7 +28,9 @@ as a run that never stopped:
   ``torch.use_deterministic_algorithms(True)`` for bit-exact CUDA runs); a
   loader without a length (there, ``every_n_steps`` is refused: resume at
   epoch boundaries with ``every_n_epochs``); a different number of DataLoader
-  workers than the run that saved; a different script (epochs, schedule).
+  workers than the run that saved; a different script that the run check
+  below cannot see (another schedule's shape, another data set of the same
+  length).
 
 A run that reaches its end (its epochs or ``max_steps``, or a callback's
 ``stop_training``) writes a final checkpoint marked finished; rerunning then
@@ -39,11 +41,43 @@ checkpoint to resume from; an exception or Ctrl-C leaves the last regular
 one (it may have cut a step in two). Only the first fit of a ``Checkpoint``
 object resumes: a second fit in the same process starts anew.
 
+A checkpoint also records what identifies its run: the optimizer (class,
+parameter groups), its hyper-parameters as the fit began (``lr``, ``wd``,
+``mom``, ``beta`` per group) except those a schedule of the fit sets (for
+them, the schedule's settings, e.g. ``OneCycleScheduler(max_lr=0.01, ...)``:
+an interrupted fit in the same process leaves them mid-schedule) and the
+planned length (epochs, ``max_steps``, batches per epoch). A fit resumes only a
+checkpoint of the same run (and of the same model); otherwise it raises a
+ValueError that lists every difference, before anything is loaded. To start
+afresh: ``Checkpoint(dirpath, resume=False)`` (its checkpoints are numbered
+after those in ``dirpath``, whose oldest go as it saves, past ``keep_last``),
+or another ``dirpath``. Checkpoints of fitlib's previous format (1) carry no
+run to compare; they resume with a note saying so.
+
+One run at a time per directory: a fit takes an exclusive lock on
+``dirpath/.fitlib.lock`` (``fcntl.flock``) before it touches any file, and
+keeps it until it ends (also by an error). The holder writes its pid, host,
+start time and command line into that file; a second fit on the directory
+while that run lives raises a ValueError naming it. The operating system
+releases the lock of a process that dies (even by SIGKILL), so the next run
+takes over a dead run's directory. Two ``Checkpoint`` objects of one process
+conflict too. Under torch.distributed rank 0 holds the lock for every rank.
+Where ``fcntl`` does not exist (Windows) nothing is locked, with a warning;
+on some network file systems (NFS without lock support, some FUSE mounts) a
+lock does not stop a run on another machine.
+
+With ``monitor``, a run that starts afresh next to a ``best.pth`` of the same
+monitor and mode starts from its best value: ``best.pth`` is replaced only by
+a better one (a line says so). A ``best.pth`` of another monitor is replaced
+by this run's best.
+
 Files are written atomically (temporary file, fsync, rename, fsync of the
 directory): killing the process at any moment leaves the previous checkpoint
-loadable. Files: ``checkpoint-<number>.pth``, numbered after the newest in
-``dirpath`` whichever run wrote it (the newest ``keep_last`` are kept), and
-``best.pth`` (with ``monitor``).
+loadable. They get the mode a plain ``open()`` would give them under the
+user's umask (an existing file's mode is kept). Files:
+``checkpoint-<number>.pth``, numbered after the newest in ``dirpath``
+whichever run wrote it (the newest ``keep_last`` are kept), and ``best.pth``
+(with ``monitor``).
 """
 
 from __future__ import annotations
@@ -57,28 +91,45 @@ from fitlib import distributed as fd
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
 from fitlib.callbacks.resume import (
+    DirLock,
     Position,
     Resumed,
+    check_callbacks,
     check_interval,
     check_writable,
     final_position,
-    load_callbacks,
+    give_states,
     remove_temporaries,
+    run_differences,
+    run_signature,
 )
 from fitlib.core import len_or_none
 from fitlib.rng import get_rng_state, set_rng_state
-from fitlib.serialization import atomic_save, host_copy, load_model_state, safe_load
-from fitlib.sharding import load_optimizer_state, model_state, optimizer_state
+from fitlib.serialization import (
+    atomic_save,
+    check_model_state,
+    host_copy,
+    optimizer_differences,
+    safe_load,
+)
+from fitlib.sharding import (
+    load_model,
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+)
 
 _NAME = re.compile(r"checkpoint-(\d+)\.pth")
 _DEFAULT = object()  # every_n_epochs left at its default
+FORMAT = 2  # 2: checkpoints hold their run's signature ("run")
 
 
 class Checkpoint(Callback):
     """Saves the training state regularly and resumes from the newest one.
 
     Args:
-        dirpath: the directory of the checkpoints (created if missing).
+        dirpath: the directory of the checkpoints (created if missing); one
+            run at a time uses it (see the module's notes on the lock).
         every_n_epochs: save after every n epochs (default 1, unless
             ``every_n_steps`` is given).
         every_n_steps: save after every n optimizer steps instead.
@@ -88,8 +139,9 @@ class Checkpoint(Callback):
             (``"valid_loss"``, a metric's name...) in ``best.pth``.
         mode: ``"min"``, ``"max"`` or ``"auto"`` for ``monitor``.
         save_best: write ``best.pth`` (with ``monitor``).
-        resume: continue from the newest checkpoint in ``dirpath``; if it
-            marks training as finished, say so and train nothing.
+        resume: continue from the newest checkpoint in ``dirpath`` (it must
+            be of the same run); if it marks training as finished, say so and
+            train nothing. False starts afresh.
 
     Example:
         >>> ckpt = Checkpoint("runs/exp1", every_n_steps=500)
@@ -122,7 +174,7 @@ class Checkpoint(Callback):
                 f"keep_last must be an int >= 1 (checkpoints kept); got "
                 f"{keep_last!r}. Fix: e.g. keep_last=3."
             )
-        self.dirpath = Path(dirpath)
+        self.dirpath = _check_dirpath(dirpath)
         check_writable(self.dirpath)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.keep_last, self.save_best, self.resume = keep_last, save_best, resume
@@ -137,14 +189,21 @@ class Checkpoint(Callback):
         self._resume: dict | None = None  # a loaded checkpoint being resumed
         self._due = False
         self._fits = 0  # only the first fit of a process resumes
+        self._lock = DirLock(self.dirpath)  # held by rank 0 during a fit
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(
-        self, model: Any, opt: Any, data: Any, metrics: Any, callbacks: list
+        self,
+        model: Any,
+        opt: Any,
+        data: Any,
+        metrics: Any,
+        callbacks: list,
+        n_epochs: int | None,
+        max_steps: int | None,
     ) -> dict | None:
-        """Runs first: checks the directory; resumes from the newest checkpoint."""
-        if fd.is_main():
-            check_writable(self.dirpath)
+        """Runs first: locks the directory; resumes from the newest checkpoint."""
+        self._lock_directory()
         if self.every_n_steps and len_or_none(data.train_dl) is None:
             raise ValueError(
                 "Checkpoint(every_n_steps=...) needs a train_dl with a length, to "
@@ -158,13 +217,18 @@ class Checkpoint(Callback):
         self._others = [cb for cb in callbacks if cb is not self]
         self._due, self._resume, self._epoch_rng = False, None, None
         self._rng_before_fetch: dict | None = None
+        # As the fit begins, before schedulers set their first values.
+        self._run = run_signature(opt, n_epochs, max_steps, data.train_dl, callbacks)
         if fd.is_main():
-            remove_temporaries(self.dirpath)
+            remove_temporaries(self.dirpath)  # the lock says no run writes them
         fd.barrier()  # every rank sees the same files
         # A later fit of this object continues the process, not a crashed run.
         newest = self.checkpoints()[-1:] if self.resume and not self._fits else []
         self._fits += 1
-        return self._load(newest[0]) if newest else None
+        if newest:
+            return self._load(newest[0])
+        self._start_best()
+        return None
 
     def on_epoch_begin(
         self, epoch: int, iteration: int, step: int, data: Any
@@ -217,13 +281,33 @@ class Checkpoint(Callback):
     def on_train_end(self, **state: Any) -> None:
         """Runs at the end: a final checkpoint marks a run that reached its end;
         one stopped cleanly between batches (a closed ``fit_iter``) gets a
-        checkpoint to resume from."""
-        if getattr(self, "_model", None) is not None:
-            where = final_position(state)
-            if where is not None:
-                self._rng_before_fetch = get_rng_state(self._loader)  # none fetched
-                self._save(where)
-        self._model = self._opt = None  # no references kept between fits
+        checkpoint to resume from. Then the directory is unlocked."""
+        try:
+            if getattr(self, "_model", None) is not None:
+                where = final_position(state)
+                if where is not None:
+                    self._rng_before_fetch = get_rng_state(self._loader)
+                    self._save(where)
+        finally:
+            self._model = self._opt = None  # no references kept between fits
+            self._lock.release()
+
+    # -- the lock --------------------------------------------------------------
+    def _lock_directory(self) -> None:
+        """Rank 0 checks and locks the directory; every rank raises if it failed."""
+        self._lock.release()  # hooks driven by hand, without on_train_end
+        problem = None
+        if fd.is_main():
+            try:
+                check_writable(self.dirpath)
+                self._lock.acquire()
+            except Exception as e:  # raised below, once every rank knows
+                problem = e
+        if fd.broadcast_int(problem is not None):  # no rank waits on a failed one
+            raise problem or ValueError(
+                f"Checkpoint: rank 0 could not use {str(self.dirpath)!r}; its "
+                "error says why."
+            )
 
     # -- files -----------------------------------------------------------------
     def checkpoints(self) -> list[Path]:
@@ -259,7 +343,8 @@ class Checkpoint(Callback):
             return
         atomic_save(
             {
-                "fitlib_checkpoint": 1,
+                "fitlib_checkpoint": FORMAT,
+                "run": self._run,  # what a resuming fit must match
                 "model": model,
                 "opt": opt,
                 "callbacks": states[0],
@@ -268,7 +353,6 @@ class Checkpoint(Callback):
                 "position": where._asdict(),
                 # Inside an epoch: the RNG before its next batch was loaded.
                 "rng": rngs,
-                "opt_class": type(getattr(self._opt, "opt", self._opt)).__name__,
                 # Inside an epoch: what decided its order, to draw it again.
                 "epoch_rng": epoch_rngs if where.num_batch else None,
             },
@@ -278,22 +362,24 @@ class Checkpoint(Callback):
     # -- resuming --------------------------------------------------------------
     def _load(self, path: Path) -> dict:
         saved = safe_load(path, map_location="cpu")
-        if not isinstance(saved, dict) or saved.get("fitlib_checkpoint") != 1:
+        version = saved.get("fitlib_checkpoint") if isinstance(saved, dict) else None
+        if version not in (1, FORMAT):
+            newer = isinstance(version, int) and version > FORMAT
             raise ValueError(
-                f"{str(path)!r} is not a fitlib Checkpoint file. Fix: move it out "
-                "of the checkpoint directory, or use another dirpath."
+                f"{str(path)!r} is a checkpoint of a newer fitlib (format {version}"
+                f"; this one reads up to {FORMAT}). Fix: upgrade fitlib."
+                if newer
+                else f"{str(path)!r} is not a fitlib Checkpoint file. Fix: move it "
+                "out of the checkpoint directory, or use another dirpath."
             )
-        load_model_state(self._model, saved["model"], repr(str(path)))
+        # Everything is checked before anything is loaded.
+        check_model_state(self._model, saved["model"], repr(str(path)))
         _own_states(saved, path)
-        opt_class = type(getattr(self._opt, "opt", self._opt)).__name__
-        if saved["opt_class"] != opt_class:
-            raise ValueError(
-                f"{str(path)!r} was saved with optimizer {saved['opt_class']}, "
-                f"this fit uses {opt_class}: its state cannot continue. Fix: use "
-                f"{saved['opt_class']}, or Checkpoint(resume=False)."
-            )
+        self._check_run(saved, path)
+        check_callbacks(self._others, saved["callbacks"], path)
+        load_model(self._model, saved["model"])
         load_optimizer_state(self._opt, self._model, saved["opt"])
-        load_callbacks(self._others, saved["callbacks"], path)
+        give_states(self._others, saved["callbacks"])
         if self.monitor is not None and saved["monitor"] is not None:
             self.monitor.load_state_dict(saved["monitor"])
         pos = saved["position"]
@@ -315,6 +401,56 @@ class Checkpoint(Callback):
         )
         self._resume = saved
         return {k: pos[k] for k in ("epoch", "iteration", "step")}
+
+    def _check_run(self, saved: dict, path: Path) -> None:
+        """Refuses a checkpoint of another run, saying every difference."""
+        whose = ("the checkpoint's run", "this run")
+        if "run" in saved:
+            found = run_differences(saved["run"], self._run, self._opt, saved["opt"])
+        else:  # format 1: only its optimizer can be compared
+            _say(
+                f"fitlib: Checkpoint: {path.name} is of an earlier fitlib (format "
+                "1) that did not record its run: only its optimizer is checked."
+            )
+            old = {"opt_class": saved["opt_class"]}
+            found = optimizer_differences(self._opt, saved["opt"], old, whose)
+        ours, kept = _watched(self.monitor), _watched(saved["monitor"])
+        if None not in (ours, kept) and ours != kept:
+            found.append(f"monitor: {whose[0]} {kept}, {whose[1]} {ours}")
+        if found:
+            raise ValueError(
+                f"{str(path)!r} is a checkpoint of another run than this fit: "
+                f"{'; '.join(found)}. Resuming it would mix two experiments. Fix: "
+                "rerun the script that saved it to resume; or start afresh with "
+                f"Checkpoint({str(self.dirpath)!r}, resume=False), which numbers "
+                "its checkpoints after those there and, as it saves, deletes the "
+                f"oldest beyond keep_last={self.keep_last} (the other run's "
+                "too); or give this run another dirpath to keep both."
+            )
+
+    def _start_best(self) -> None:
+        """A fresh run's best starts from ``best.pth`` of the same quantity, so
+        that only a better value replaces it."""
+        path = self.dirpath / "best.pth"
+        if self.monitor is None or not self.save_best or not path.is_file():
+            return
+        self.monitor.reset()
+        saved = safe_load(path, map_location="cpu", mmap=True)  # weights unread
+        kept = saved.get("monitor") if isinstance(saved, dict) else None
+        ours = _watched(self.monitor)
+        if _watched(kept) == ours:
+            self.monitor.best = float(kept["best"])
+            _say(
+                f"fitlib: Checkpoint: {str(path)!r} holds the best {ours} so far "
+                f"({self.monitor.best:.6g}, of an earlier run); this run replaces "
+                "it only with a better value."
+            )
+        else:
+            _say(
+                f"fitlib: Checkpoint: {str(path)!r} kept the best "
+                f"{_watched(kept) or 'of no monitor'}; this run watches {ours} "
+                "and replaces it with its best."
+            )
 
     def _resume_epoch(self, data: Any) -> dict | None:
         """The first epoch of a resumed fit: its order, then skip what was done."""
@@ -354,6 +490,25 @@ def _own_states(saved: dict, path: Path) -> None:
         saved["callbacks"] = saved["rank_callbacks"][fd.rank()]
     if saved["epoch_rng"] is not None:
         saved["epoch_rng"] = saved["epoch_rng"][fd.rank()]
+
+
+def _watched(monitor: Any) -> str | None:
+    """``"valid_loss (min)"``: what a Monitor or its saved state watches."""
+    if isinstance(monitor, Monitor):
+        return f"{monitor.name} ({monitor.mode})"
+    if not isinstance(monitor, dict) or "monitor" not in monitor:
+        return None
+    return f"{monitor['monitor']} ({monitor.get('mode')})"
+
+
+def _check_dirpath(dirpath: Any) -> Path:
+    if not isinstance(dirpath, (str, os.PathLike)) or str(dirpath) == "":
+        raise TypeError(
+            f"Checkpoint: dirpath must be a directory path (str or os.PathLike); "
+            f"got {dirpath!r} ({type(dirpath).__name__}). Fix: e.g. "
+            "Checkpoint('runs/exp1')."
+        )
+    return Path(dirpath)
 
 
 def _say(message: str) -> None:

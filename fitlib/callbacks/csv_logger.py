@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from fitlib.callbacks.tracking import (
     step_lr,
 )
 from fitlib.core import batch_size, to_floats
-from fitlib.serialization import fsync_dir
+from fitlib.serialization import atomic_write
 
 _STATE_KEYS = ("first_row", "epoch", "epoch_loss", "epoch_seconds")
 
@@ -46,7 +45,8 @@ class CSVLogger(Callback):
     raises. Rows torn by a crash during a write are removed.
 
     Args:
-        path: the CSV file; its missing parent directories are created.
+        path: the CSV file; its missing parent directories are created. A
+            path that cannot be written is refused when the logger is made.
         append: keep the rows already in the file (True) or start anew.
 
     Example:
@@ -64,6 +64,7 @@ class CSVLogger(Callback):
 
     def __init__(self, path: str | os.PathLike, append: bool = True) -> None:
         self.path = _check_path(path)
+        _check_writable(self.path)
         if not isinstance(append, bool):
             raise TypeError(
                 f"CSVLogger: append must be True or False; got {append!r} "
@@ -84,6 +85,7 @@ class CSVLogger(Callback):
         self.columns = ["epoch", "train_loss", "valid_loss", *names, "lr", "time"]
         _check_path(self.path)
         _make_parent(self.path)
+        _check_writable(self.path)
         if iteration == 0:
             self._loss.reset()
             self._loss_epoch = None
@@ -145,24 +147,10 @@ class CSVLogger(Callback):
         return rows, len(rows) != len(lines) - 1
 
     def _rewrite(self, rows: list[list[str]]) -> None:
-        """Header and ``rows``, atomically: a crash leaves the old or new file."""
-        fd, tmp = tempfile.mkstemp(
-            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
-        )
-        try:
-            with os.fdopen(fd, "w", newline="") as f:
-                csv.writer(f).writerows([self.columns, *rows])
-                f.flush()
-                os.fsync(f.fileno())
-            if self.path.is_file():  # keep the old file's permissions
-                shutil.copymode(self.path, tmp)
-            else:  # mkstemp makes it private; a log is as readable as any file
-                os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(self.path.parent)
+        """Header and ``rows``, atomically: a crash leaves the old or new file
+        (with the mode a plain ``open()`` gives, or the old file's)."""
+        with atomic_write(self.path, "w", newline="") as f:
+            csv.writer(f).writerows([self.columns, *rows])
 
     def _write_row(self, row: list[Any]) -> None:
         with open(self.path, "a", newline="") as f:
@@ -225,6 +213,31 @@ def _check_path(path: Any) -> Path:
             f"Fix: e.g. CSVLogger({str(path / 'log.csv')!r})."
         )
     return path
+
+
+def _check_writable(path: Path) -> None:
+    """Raises before training unless the logger can rewrite and append to
+    ``path`` (its first existing ancestor stands for missing directories)."""
+    try:
+        folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+        if folder.is_dir():
+            with tempfile.TemporaryFile(dir=folder):  # as the rewrites' temporaries
+                pass
+        if path.is_file():
+            with open(path, "a"):  # rows are appended (nothing is written here)
+                pass
+    except OSError as e:
+        raise ValueError(
+            f"CSVLogger: cannot write {str(path)!r} ({e.strerror or e}). Fix: "
+            "pass a path in a directory you can write to (and a file you may "
+            "change)."
+        ) from e
+    if not folder.is_dir():
+        raise ValueError(
+            f"CSVLogger: cannot create the directory of {str(path)!r}: a part of "
+            f"it is a file ({str(folder)!r}). Fix: choose a path whose parents "
+            "are directories (or do not exist yet)."
+        )
 
 
 def _make_parent(path: Path) -> None:

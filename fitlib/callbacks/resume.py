@@ -1,14 +1,35 @@
 """What ``Checkpoint`` needs besides saving: the loop's position, the batches
-of a resumed epoch, loading callback states, and argument checks."""
+of a resumed epoch, loading callback states, what identifies a run, the lock
+on the directory, and argument checks."""
 
 from __future__ import annotations
 
+import datetime
+import errno
+import math
+import os
+import re
+import shlex
+import socket
+import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from fitlib.callback import Callback
+from fitlib.core import len_or_none
+from fitlib.serialization import optimizer_differences, optimizer_identity
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+LOCK_NAME = ".fitlib.lock"
+HYPER = ("lr", "wd", "mom", "beta")
+_warned_unlocked = False
 
 
 class Position(NamedTuple):
@@ -43,23 +64,203 @@ class Remaining:
 def give_states(callbacks: list[Callback], states: list) -> list[Callback]:
     """Gives each saved ``[name, state]`` to the callback of that class, in
     order; returns the callbacks that got none."""
-    waiting = list(callbacks)
-    for name, state in states:
-        cb = next((cb for cb in waiting if cb.name == name), None)
-        if cb is not None:
-            cb.load_state_dict(state)
-            waiting.remove(cb)
+    pairs, waiting = _pair(callbacks, states)
+    for cb, state in pairs:
+        cb.load_state_dict(state)
     return waiting
 
 
-def load_callbacks(callbacks: list[Callback], states: list, path: Path) -> None:
-    """``give_states``, refusing a fit with a stateful callback the run lacked."""
-    stateful = [cb.name for cb in give_states(callbacks, states) if cb.state_dict()]
+def _pair(callbacks: list[Callback], states: list) -> tuple[list, list[Callback]]:
+    """Each saved ``[name, state]`` with the first waiting callback of that
+    class, and the callbacks left without one."""
+    pairs, waiting = [], list(callbacks)
+    for name, state in states:
+        cb = next((cb for cb in waiting if cb.name == name), None)
+        if cb is not None:
+            pairs.append((cb, state))
+            waiting.remove(cb)
+    return pairs, waiting
+
+
+def check_callbacks(callbacks: list[Callback], states: list, path: Path) -> None:
+    """Refuses, before loading any, a fit with a stateful callback the run lacked."""
+    stateful = [cb.name for cb in _pair(callbacks, states)[1] if cb.state_dict()]
     if stateful:
         raise ValueError(
             f"{str(path)!r} holds no state for callback(s) {stateful}, which this "
             "fit has: resuming would not continue the same run. Fix: run with "
             "the callbacks of the run that saved, or Checkpoint(resume=False)."
+        )
+
+
+# -- what identifies a run ---------------------------------------------------------
+def run_signature(
+    opt: Any, n_epochs: Any, max_steps: Any, train_dl: Any, callbacks: list
+) -> dict:
+    """What a checkpoint's run must share with a fit that resumes it: the
+    optimizer, its hyper-parameters as the fit begins, the schedules that set
+    the others (a schedule's values at the fit's start are those an earlier,
+    interrupted fit left: its settings say what the run is), the planned
+    length."""
+    schedules = {}
+    for cb in callbacks:
+        inner = getattr(cb, "callback", cb)  # a filter wraps one
+        for name in getattr(inner, "sets_hypers", ()):
+            schedules[name] = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(inner))
+    return {
+        **optimizer_identity(opt),
+        "hyper": {
+            name: opt.get(name)
+            for name in HYPER
+            if opt.has(name) and name not in schedules
+        },
+        "schedules": schedules,
+        "n_epochs": n_epochs,
+        "max_steps": max_steps,
+        "batches_per_epoch": len_or_none(train_dl),
+    }
+
+
+def run_differences(saved: dict, ours: dict, opt: Any, opt_state: dict) -> list[str]:
+    """How the run of a checkpoint (``saved``, its ``run_signature``) differs
+    from this fit's (``ours``), one line each."""
+    whose = ("the checkpoint's run", "this run")
+    found = optimizer_differences(opt, opt_state, saved, whose)
+    for name in [n for n in HYPER if n in saved["hyper"] and n in ours["hyper"]]:
+        theirs, own = saved["hyper"][name], ours["hyper"][name]
+        if not _same_numbers(theirs, own):
+            found.append(f"{name}: {whose[0]} {_show(theirs)}, {whose[1]} {_show(own)}")
+    theirs, own = saved.get("schedules", {}), ours["schedules"]
+    changed: dict[tuple, list[str]] = {}  # one line per pair of schedules
+    for name in HYPER:
+        pair = (theirs.get(name, "none"), own.get(name, "none"))
+        if pair[0] != pair[1]:
+            changed.setdefault(pair, []).append(name)
+    for (then, now), names in changed.items():
+        found.append(
+            f"schedule of {', '.join(names)}: {whose[0]} {then}, {whose[1]} {now}"
+        )
+    for key, label in (
+        ("n_epochs", "epochs"),
+        ("max_steps", "max_steps"),
+        ("batches_per_epoch", "batches per epoch (len(train_dl))"),
+    ):
+        if saved[key] != ours[key]:
+            found.append(f"{label}: {whose[0]} {saved[key]}, {whose[1]} {ours[key]}")
+    return found
+
+
+def _same_numbers(a: list[float], b: list[float]) -> bool:
+    """Equal but for rounding (a relative difference below 1e-9)."""
+    return len(a) == len(b) and all(
+        math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b)
+    )
+
+
+def _show(values: list[float] | None) -> str:
+    """One value per group, or a single one when all groups share it."""
+    if values is None:
+        return "none"
+    same = all(v == values[0] for v in values)
+    return repr(values[0]) if same and values else repr(values)
+
+
+# -- the lock on a checkpoint directory --------------------------------------------
+class DirLock:
+    """An exclusive ``flock`` on ``dirpath/.fitlib.lock``, held by one run.
+
+    The holder writes its pid, host, start time and command line in the file.
+    The lock belongs to the open file: closing it (also when the process
+    dies, even by SIGKILL) releases it, so a dead run's lock is simply taken.
+    The file itself stays (removing it would let two runs lock two files).
+    """
+
+    def __init__(self, dirpath: Path) -> None:
+        self.path = Path(dirpath) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock, or raises a ValueError naming the run that holds it."""
+        if fcntl is None:
+            _warn_unlocked(self.path.parent, "this platform has no fcntl")
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:  # e.g. another user's lock file
+            raise ValueError(
+                f"Checkpoint: cannot open the lock file {str(self.path)!r} "
+                f"({e.strerror or e}). Fix: give this run a directory of its own "
+                "(another dirpath)."
+            ) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                _warn_unlocked(self.path.parent, e.strerror or str(e))
+                return
+            raise ValueError(_held_message(self.path.parent, holder)) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, _holder_text().encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Lets the next run take the directory (does nothing when not held)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.ftruncate(fd, 0)  # no holder: the file names nobody
+            finally:
+                os.close(fd)  # closing the file releases the lock
+
+
+def _holder_text() -> str:
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    return (
+        f"pid: {os.getpid()}\nhost: {socket.gethostname()}\n"
+        f"started: {started}\ncommand: {shlex.join(sys.argv)}\n"
+    )
+
+
+def _read_holder(fd: int) -> dict[str, str]:
+    try:
+        text = os.pread(fd, 65536, 0).decode(errors="replace")
+    except OSError:
+        return {}
+    pairs = (line.split(": ", 1) for line in text.splitlines() if ": " in line)
+    return dict(pairs)
+
+
+def _held_message(dirpath: Path, holder: dict[str, str]) -> str:
+    pid, host = holder.get("pid", "?"), holder.get("host", "?")
+    who = (
+        f"pid {pid} on host {host}, started {holder.get('started', '?')}, "
+        f"command: {holder.get('command', '?')}"
+        if holder
+        else "another process (it has not written its name yet)"
+    )
+    if pid == str(os.getpid()) and host == socket.gethostname():
+        who += (
+            "; that is this process: another Checkpoint on this directory is in a fit"
+        )
+    return (
+        f"Checkpoint: {str(dirpath)!r} is in use by another run ({who}). Two runs "
+        "in one directory would delete each other's files and resume each "
+        "other's state. Fix: wait for that run to end (or stop it), or give "
+        "this run another dirpath."
+    )
+
+
+def _warn_unlocked(dirpath: Path, why: str) -> None:
+    global _warned_unlocked
+    if not _warned_unlocked:
+        _warned_unlocked = True
+        warnings.warn(
+            f"Checkpoint: cannot lock {str(dirpath)!r} ({why}): a second run in "
+            "this directory would not be refused. Run one at a time per dirpath.",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
 

@@ -1,9 +1,11 @@
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader
 from fitlib import Callback, DataBunch, Learner
 from fitlib.callbacks import Checkpoint, GradientAccumulation, MixedPrecision
 from fitlib.metrics import accuracy
-from fitlib.serialization import safe_load
+from fitlib.serialization import atomic_save, safe_load
 
 HERE = Path(__file__).parent
 
@@ -196,7 +198,7 @@ def test_a_half_written_file_of_a_killed_run_is_removed_and_ignored(tmp_path):
     learn.fit(1, lr=0.05)
     tmp = tmp_path / ".checkpoint-000000099.pth.abc.tmp"
     tmp.write_bytes(b"half")
-    learner([Checkpoint(tmp_path)]).fit(2, lr=0.05)
+    learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
     assert not tmp.exists()
 
 
@@ -345,7 +347,7 @@ def test_a_checkpoint_of_another_optimizer_is_a_clear_error(tmp_path):
         learner([Checkpoint(tmp_path, every_n_steps=2), Crash(3)]).fit(2, lr=0.05)
     adam = learner([Checkpoint(tmp_path)], opt_func=torch.optim.Adam)
     with pytest.raises(
-        ValueError, match="saved with optimizer SGD, this fit uses Adam"
+        ValueError, match="optimizer: the checkpoint's run SGD, this run Adam"
     ):
         adam.fit(2, lr=0.05)
 
@@ -365,3 +367,171 @@ def test_atomic_save_fsyncs_the_file_and_the_directory(tmp_path, monkeypatch):
     assert len(synced) == 2
     assert synced[0].endswith(".tmp") and synced[1] == str(tmp_path)
     assert path.exists()
+
+
+# -- one run per directory ---------------------------------------------------------
+HOLDER = """
+import sys, time
+import torch
+from helpers import make_data, make_model
+from torch.nn import functional as F
+from fitlib import Callback, Learner
+from fitlib.callbacks import Checkpoint
+
+class Hold(Callback):
+    def on_train_begin(self):
+        print("locked", flush=True)
+        time.sleep(120)
+
+learn = Learner(make_data(), make_model(), F.cross_entropy, opt_func=torch.optim.SGD,
+                wd=0, metrics=[], progress=False)
+learn.fit(1, lr=0.01, callbacks=[Checkpoint(sys.argv[1]), Hold()])
+"""
+
+
+def test_a_live_runs_directory_is_refused_and_a_killed_runs_lock_is_taken(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == b"locked", proc.stderr.read()
+        with pytest.raises(ValueError, match="in use by another run") as info:
+            learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
+        assert f"pid {proc.pid} on host" in str(info.value)
+        assert str(tmp_path) in str(info.value)  # its command line
+    finally:
+        proc.send_signal(signal.SIGKILL)  # it dies holding the lock
+        proc.wait(timeout=30)
+    learn = learner([Checkpoint(tmp_path)])
+    learn.fit(1, lr=0.05)  # the dead run's lock is free
+    assert len(learn.recorder.losses) == 7
+
+
+def test_a_second_run_in_the_same_process_is_refused_and_deletes_nothing(tmp_path):
+    half = tmp_path / ".checkpoint-000001.pth.0123456789ab.tmp"  # a save under way
+    errors = []
+
+    class SecondRun(Callback):
+        def on_epoch_begin(self, epoch):
+            if epoch == 1:
+                half.write_bytes(b"being written")
+                try:
+                    learner([Checkpoint(tmp_path)]).fit(2, lr=0.05)
+                except ValueError as e:
+                    errors.append(str(e))
+
+    learner([Checkpoint(tmp_path), SecondRun()]).fit(2, lr=0.05)
+    assert len(errors) == 1 and f"pid {os.getpid()}" in errors[0]
+    assert "another dirpath" in errors[0]
+    assert half.exists()
+    learner([Checkpoint(tmp_path, resume=False)]).fit(1, lr=0.05)  # free again
+
+
+def test_without_fcntl_a_warning_says_the_directory_is_not_locked(
+    tmp_path, monkeypatch
+):
+    from fitlib.callbacks import resume
+
+    monkeypatch.setattr(resume, "fcntl", None)
+    monkeypatch.setattr(resume, "_warned_unlocked", False)
+    with pytest.warns(RuntimeWarning, match="cannot lock"):
+        learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        learner([Checkpoint(tmp_path, resume=False)]).fit(1, lr=0.05)
+
+
+# -- a checkpoint of another run ---------------------------------------------------
+def test_resuming_another_runs_checkpoint_lists_every_difference(tmp_path):
+    with pytest.raises(RuntimeError):
+        learner([Checkpoint(tmp_path, every_n_steps=2), Crash(5)]).fit(2, lr=0.05)
+    other = learner([Checkpoint(tmp_path)])
+    before = [p.detach().clone() for p in other.model.parameters()]
+    with pytest.raises(ValueError, match="another run") as info:
+        other.fit(3, lr=0.1)
+    message = str(info.value)
+    assert "lr: the checkpoint's run 0.05, this run 0.1" in message
+    assert "epochs: the checkpoint's run 2, this run 3" in message
+    assert "resume=False" in message and "another dirpath" in message
+    assert all(map(torch.equal, before, other.model.parameters()))  # nothing loaded
+    fresh = learner([Checkpoint(tmp_path, resume=False)])
+    fresh.fit(3, lr=0.1)  # the explicit way to start afresh
+    assert len(fresh.recorder.losses) == 21
+
+
+def test_rerunning_an_interrupted_one_cycle_fit_in_the_same_process_resumes(tmp_path):
+    # The interrupted fit left momentum where its schedule was: the rerun's
+    # fit begins there, which must not count as another run.
+    learn = learner(opt_func=lambda p, lr: torch.optim.SGD(p, lr, momentum=0.9))
+    crash = Crash(5)
+    with pytest.raises(RuntimeError):
+        learn.fit_one_cycle(
+            2, 0.05, callbacks=[Checkpoint(tmp_path, every_n_steps=2), crash]
+        )
+    assert learn.opt.mom != 0.9  # mid-schedule
+    crash.at = -1
+    learn.fit_one_cycle(
+        2, 0.05, callbacks=[Checkpoint(tmp_path, every_n_steps=2), crash]
+    )
+    assert len(learn.recorder.losses) == 14
+    other = learner([Checkpoint(tmp_path)])
+    with pytest.raises(
+        ValueError, match=r"schedule of lr, mom: .*max_lr=0\.05.*max_lr=0\.1"
+    ):
+        other.fit_one_cycle(2, 0.1)
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_with_a_note(tmp_path, capsys):
+    with pytest.raises(RuntimeError):
+        learner([Checkpoint(tmp_path, every_n_steps=2), Crash(5)]).fit(2, lr=0.05)
+    path = Checkpoint(tmp_path).checkpoints()[-1]
+    saved = {k: v for k, v in safe_load(path).items() if k != "run"}
+    atomic_save({**saved, "fitlib_checkpoint": 1, "opt_class": "SGD"}, path)  # as 1
+    resumed = learner([Checkpoint(tmp_path)])
+    resumed.fit(2, lr=0.05)
+    out = capsys.readouterr().out
+    assert "format 1" in out and "resuming from" in out
+    assert len(resumed.recorder.losses) == 14  # restored history, then the rest
+
+
+# -- best.pth of an earlier run ----------------------------------------------------
+def test_a_fresh_run_replaces_best_pth_only_with_a_better_value(tmp_path, capsys):
+    learner([Checkpoint(tmp_path, monitor="valid_loss")]).fit(3, lr=0.05)
+    best = (tmp_path / "best.pth").read_bytes()
+    kept = safe_load(tmp_path / "best.pth")["monitor"]["best"]
+    worse = learner([Checkpoint(tmp_path, monitor="valid_loss", resume=False)], seed=1)
+    worse.fit(1, lr=1e-5)
+    assert worse.recorder.valid_losses[0] > kept  # the premise: a worse run
+    assert (tmp_path / "best.pth").read_bytes() == best
+    assert "holds the best valid_loss (min) so far" in capsys.readouterr().out
+
+
+def test_a_best_pth_of_another_monitor_is_replaced_keeping_its_mode(tmp_path, capsys):
+    learner([Checkpoint(tmp_path, monitor="valid_loss")]).fit(1, lr=0.05)
+    (tmp_path / "best.pth").chmod(0o640)
+    learner([Checkpoint(tmp_path, monitor="accuracy", resume=False)]).fit(1, lr=0.05)
+    out = capsys.readouterr().out
+    assert "kept the best valid_loss (min); this run watches accuracy (max)" in out
+    assert safe_load(tmp_path / "best.pth")["monitor"]["monitor"] == "accuracy"
+    assert stat.S_IMODE((tmp_path / "best.pth").stat().st_mode) == 0o640  # as open()
+
+
+# -- file modes --------------------------------------------------------------------
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_files_get_the_mode_open_gives_under_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        learner([Checkpoint(tmp_path, monitor="valid_loss")]).fit(1, lr=0.05)
+    finally:
+        os.umask(old)
+    files = [*Checkpoint(tmp_path).checkpoints(), tmp_path / "best.pth"]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in files] == [mode] * 2
+
+
+@pytest.mark.parametrize("dirpath", [None, 3, ""])
+def test_a_dirpath_that_is_not_a_path_is_a_type_error(dirpath):
+    with pytest.raises(TypeError, match="dirpath must be a directory path") as info:
+        Checkpoint(dirpath)
+    assert f"got {dirpath!r}" in str(info.value)

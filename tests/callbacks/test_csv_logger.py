@@ -299,7 +299,10 @@ def test_a_path_that_is_a_directory_is_refused(tmp_path):
 
 def test_a_path_under_a_file_is_refused_before_training(tmp_path):
     (tmp_path / "file").write_text("x")
-    cb = CSVLogger(tmp_path / "file" / "log.csv")
+    with pytest.raises(ValueError, match="a part of it is a file"):
+        CSVLogger(tmp_path / "file" / "log.csv")
+    cb = CSVLogger(tmp_path / "later" / "log.csv")
+    (tmp_path / "later").write_text("x")  # a file there once the logger exists
     with pytest.raises(ValueError, match="a part of it is a file"):
         begin(cb)
 
@@ -329,3 +332,78 @@ def test_appending_under_another_header_is_refused(tmp_path):
 def test_load_state_dict_refuses_another_dict(tmp_path):
     with pytest.raises(ValueError, match=r"CSVLogger.load_state_dict.*first_row"):
         CSVLogger(tmp_path / "log.csv").load_state_dict({"best": 1.0})
+
+
+def _deny_writes_under(folder, monkeypatch):
+    """Refuses writes below ``folder`` as the system refuses them to a user
+    without the permission (root is allowed everything)."""
+    import builtins
+    import tempfile
+
+    from fitlib.callbacks import csv_logger
+
+    def denied(path):
+        return str(path).startswith(str(folder))
+
+    temporary_file = tempfile.TemporaryFile
+
+    def no_temporary(*args, dir=None, **kwargs):
+        if denied(dir):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return temporary_file(*args, dir=dir, **kwargs)
+
+    def no_append(file, mode="r", *args, **kwargs):
+        if denied(file) and mode != "r":
+            raise PermissionError(13, "Permission denied", str(file))
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(csv_logger.tempfile, "TemporaryFile", no_temporary)
+    monkeypatch.setattr(csv_logger, "open", no_append, raising=False)
+
+
+def _can_write_read_only(tmp_path):
+    """Whether this process writes through a read-only mode (root can)."""
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    probe.chmod(0o444)
+    try:
+        with open(probe, "a"):
+            return True
+    except PermissionError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def test_a_read_only_directory_or_file_is_refused_when_the_logger_is_made(
+    tmp_path, monkeypatch
+):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "old.csv").write_text("epoch\n")
+    (locked / "old.csv").chmod(0o444)
+    locked.chmod(0o555)
+    if _can_write_read_only(tmp_path):  # root: the system would let it write
+        _deny_writes_under(locked, monkeypatch)
+    try:
+        for path in (locked / "log.csv", locked / "new" / "log.csv"):
+            with pytest.raises(ValueError, match=r"cannot write.*Permission denied"):
+                CSVLogger(path)
+        with pytest.raises(ValueError, match="cannot write"):
+            CSVLogger(locked / "old.csv")  # rows could not be appended
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_the_log_gets_the_mode_open_gives_under_the_umask(tmp_path, umask, mode):
+    path = tmp_path / "log.csv"
+    old = os.umask(umask)
+    try:
+        begin(CSVLogger(path))
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == mode
+    path.chmod(0o640)
+    begin(CSVLogger(path, append=False))  # rewritten: keeps the file's mode
+    assert os.stat(path).st_mode & 0o777 == 0o640
