@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.pyplot as plt
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -65,10 +66,12 @@ def main() -> int:
     learn.fit(6, lr=1e-2)
     learn.fit(2, lr=1e-3)  # a second, gentler fit; the recorder keeps both
 
+    # Each plot returns the Axes it drew into, on a pyplot figure of its own.
     plots = {"losses": learn.recorder.plot_losses(), "lr": learn.recorder.plot_lr()}
-    for name, fig in plots.items():
+    for name, ax in plots.items():
         path = Path(f"demo_{name}.png").resolve()
-        fig.savefig(path)
+        ax.figure.savefig(path)
+        plt.close(ax.figure)
         print(f"saved {path}")
 
     acc = learn.validate()["accuracy"]

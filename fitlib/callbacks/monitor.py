@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from fitlib import distributed as fd
+from fitlib.callbacks.tracking import RunningLoss
 from fitlib.core import to_floats
 from fitlib.errors import is_number
-from fitlib.metrics import weighted_sum
 
 MODES = ("auto", "min", "max")
 LOSSES = ("valid_loss", "train_loss")
@@ -92,10 +92,8 @@ class Monitor:
         self.mode = self._resolve_mode(mode)
         self.min_delta = _check_min_delta(min_delta, owner)
         self._index = 0  # where the value sits in last_metrics
-        self._losses: list[torch.Tensor] = []
-        self._sizes: list[int] = []
-        # (loss sum, samples) of the epoch so far from before a resume.
-        self._carry: tuple[float, int] = (0.0, 0)
+        # The epoch's training losses (from before a resume too).
+        self._loss = RunningLoss()
         self.reset()
 
     @property
@@ -132,14 +130,11 @@ class Monitor:
             )
         in_metrics = self.name in metric_names and self.name != "valid_loss"
         self._index = 1 + metric_names.index(self.name) if in_metrics else 0
-        self._losses, self._sizes = [], []
-        if not resumed:
-            self._carry = (0.0, 0)
+        self._loss.reset(*(self._loss.restored if resumed else ()))
 
     def add_batch(self, loss: torch.Tensor, size: int) -> None:
-        """Keeps a training batch's detached loss and size (no device op)."""
-        self._losses.append(loss)
-        self._sizes.append(size)
+        """Keeps a training batch's detached loss and size (no sync)."""
+        self._loss.add(loss, size)
 
     def read(self, last_metrics: list | None) -> float | None:
         """The epoch's value as a float (one host transfer), or None if absent.
@@ -149,15 +144,10 @@ class Monitor:
         Clears the batches added so far.
         """
         if self.needs_train_loss:
-            losses, sizes = self._losses, self._sizes
-            (carried, count), self._carry = self._carry, (0.0, 0)
-            self._losses, self._sizes = [], []
+            loss, self._loss = self._loss, RunningLoss()
             if fd.world_size() > 1:  # every rank must decide alike: the global mean
-                return _global_mean(losses, sizes, carried, count)
-            if not losses and not count:
-                return None
-            total = to_floats([weighted_sum(losses, sizes)])[0] if losses else 0.0
-            return (carried + total) / (count + sum(sizes))
+                return _global_mean(loss)
+            return loss.mean(to_floats(loss.pending())) if loss.samples else None
         if last_metrics is None:
             return None
         return to_floats([], [last_metrics[self._index]])[0]
@@ -180,10 +170,8 @@ class Monitor:
         sum and count of the epoch's losses so far (one host transfer)."""
         state = {"monitor": self.name, "mode": self.mode, "best": self.best}
         if self.needs_train_loss:
-            losses, sizes = self._losses, self._sizes
-            total = to_floats([weighted_sum(losses, sizes)])[0] if losses else 0.0
-            carried, count = self._carry
-            state["partial"] = [carried + total, count + sum(sizes)]
+            partial = self._loss.state_dict()
+            state["partial"] = [partial["total"], partial["count"]]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -201,8 +189,7 @@ class Monitor:
                 f"({self.mode!r}). Fix: create it with the same monitor and mode."
             )
         self.best = float(state["best"])
-        total, count = state.get("partial", (0.0, 0))
-        self._carry, self._losses, self._sizes = (float(total), int(count)), [], []
+        self._loss.reset(*state.get("partial", (0.0, 0)))
 
     def __repr__(self) -> str:
         return (
@@ -252,17 +239,15 @@ def _lacks_validation(data: Any) -> bool:
     return data is not None and getattr(data, "valid_dl", True) is None
 
 
-def _global_mean(
-    losses: list[torch.Tensor], sizes: list[int], carried: float, count: int
-) -> float:
+def _global_mean(loss: RunningLoss) -> float:
     """The sample-weighted mean training loss over every rank (one all-reduce).
 
     Each rank adds the part of a resumed epoch that it trained before the
     resume (``Checkpoint`` saves every rank's state).
     """
-    total = (
-        weighted_sum(losses, sizes) if losses else torch.zeros((), dtype=torch.float64)
-    )
-    pair = torch.stack([total + carried, total.new_tensor(float(sum(sizes) + count))])
+    pending = loss.pending()
+    total = pending[0] if pending else torch.zeros((), dtype=torch.float64)
+    count = total.new_tensor(float(loss.samples))
+    pair = torch.stack([total + loss.restored[0], count])
     total, n = to_floats(list(fd.all_reduce_sum(pair)))
     return total / n if n else math.nan

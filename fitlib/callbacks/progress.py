@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.core import batch_size, len_or_none, to_floats, weighted_mean
+from fitlib.callbacks.tracking import RunningLoss
+from fitlib.core import batch_size, len_or_none, to_floats
 
 _NA = "#na#"
 
@@ -90,8 +91,7 @@ class ProgressBar(Callback):
     def on_epoch_begin(self) -> None:
         """Runs at the start of each epoch: starts its clock and loss sums."""
         self._t0 = time.perf_counter()
-        self._losses: list[torch.Tensor] = []
-        self._sizes: list[int] = []
+        self._loss = RunningLoss()  # summed on the device: no sync per batch
         self._smooth: torch.Tensor | None = None
 
     def on_batch_end(
@@ -110,9 +110,7 @@ class ProgressBar(Callback):
             self._open_bar(train, data)
         self._n += 1
         if train:
-            # Summed at epoch end: a list append costs less than a device op.
-            self._losses.append(last_loss)  # detached by the loop
-            self._sizes.append(batch_size(last_target, last_input))
+            self._loss.add(last_loss, batch_size(last_target, last_input))
             self._smooth = smooth_loss
         now = time.perf_counter()
         if now - self._last_draw >= self.refresh:
@@ -169,9 +167,10 @@ class ProgressBar(Callback):
         self.pb, self._phase = None, None
 
     def _row(self, epoch: int, last_metrics: list | None) -> list[str]:
-        values = to_floats(self._losses, last_metrics or [])
-        n = len(self._losses)
-        train = _fmt(weighted_mean(values[:n], self._sizes)) if n else _NA
+        sums = self._loss.pending()
+        values = to_floats(sums, last_metrics or [])
+        n = len(sums)
+        train = _fmt(self._loss.mean(values[:n])) if n else _NA
         rest = [_fmt(v) for v in values[n:]]
         if last_metrics is None:
             rest = [_NA] * (1 + len(self._names))

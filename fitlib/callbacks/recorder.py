@@ -1,11 +1,14 @@
 """``Recorder``: the history of training runs, for plots and tables.
 
 Per training step it keeps the learning rate and momentum (python numbers
-already), the loss and the batch size. The losses stay detached device tensors
-until they are read, and are smoothed then: recording a step never forces a
-host-device sync. Per epoch it keeps the train loss (the exact sample-weighted
-mean of the epoch's raw losses), the validation loss, the metrics and the wall
-time; the epoch's values reach Python in one transfer at the end of the epoch.
+already), the loss and the batch size, within a fixed budget of points
+(``max_points``): past it, neighbouring points merge in pairs, so memory and
+checkpoints stay bounded for any length of run. The losses stay detached
+device tensors until they are read, an epoch ends or ``FLUSH_EVERY`` steps
+wait, and are smoothed then: recording a step never forces a host-device
+sync. Per epoch it keeps, complete, the train loss (the exact sample-weighted
+mean of the epoch's raw losses), the validation loss, the metrics and the
+wall time; the epoch's values reach Python in one transfer at its end.
 """
 
 from __future__ import annotations
@@ -13,15 +16,29 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
 
+from fitlib import plots
 from fitlib.callback import Callback, LossSmoother
-from fitlib.core import batch_size, to_floats, weighted_mean
+from fitlib.core import batch_size, to_floats
 from fitlib.optim import lr_and_momentum
 
-_STEP_KEYS = ("lrs", "moms", "losses", "smooth_losses", "iterations", "batch_sizes")
+# Steps whose losses may wait on the device: one host transfer per this many.
+FLUSH_EVERY = 1024
+
+# Per-step keys of the state and the _Point field behind each.
+_FIELDS = {
+    "lrs": "lr",
+    "moms": "mom",
+    "losses": "loss",
+    "smooth_losses": "smooth_loss",
+    "iterations": "iteration",
+    "batch_sizes": "batch_size",
+}
 _EPOCH_KEYS = (
     "epochs",
     "epoch_iterations",
@@ -31,17 +48,58 @@ _EPOCH_KEYS = (
     "epoch_metric_names",
     "times",
 )
-# The attributes behind the per-step properties.
-_ATTRS = {
-    "lrs": "_lrs",
-    "moms": "_moms",
-    "losses": "_losses",
-    "smooth_losses": "_smooth",
-    "batch_sizes": "_batch_sizes",
-}
 # Per-epoch keys whose items are lists: copied one level deeper.
 _NESTED_KEYS = ("metrics", "epoch_metric_names")
 _NOT_FIT = "nothing to plot yet: call fit first, with this Recorder in the callbacks"
+
+
+@dataclass(slots=True)
+class _Point:
+    """Consecutive steps: how many, their samples and sample-weighted mean
+    loss, and the last step's lr, momentum, smoothed loss and iteration."""
+
+    steps: int
+    batch_size: int
+    loss: float
+    lr: float
+    mom: float | None
+    smooth_loss: float
+    iteration: int
+
+    def add(
+        self,
+        size: int,
+        loss: float,
+        lr: float,
+        mom: float | None,
+        smooth_loss: float,
+        iteration: int,
+    ) -> None:
+        """Appends one step, in place."""
+        self.loss = _mean(self.loss, self.batch_size, loss, size)
+        self.steps += 1
+        self.batch_size += size
+        self.lr, self.mom, self.smooth_loss = lr, mom, smooth_loss
+        self.iteration = iteration
+
+    def merged(self, later: _Point) -> _Point:
+        """These steps followed by ``later``'s, as one point."""
+        return _Point(
+            self.steps + later.steps,
+            self.batch_size + later.batch_size,
+            _mean(self.loss, self.batch_size, later.loss, later.batch_size),
+            later.lr,
+            later.mom,
+            later.smooth_loss,
+            later.iteration,
+        )
+
+
+def _mean(a: float, n_a: int, b: float, n_b: int) -> float:
+    """The mean of ``a`` over ``n_a`` samples and ``b`` over ``n_b``."""
+    if n_a + n_b:
+        return (a * n_a + b * n_b) / (n_a + n_b)
+    return (a + b) / 2  # batches without samples: no weights to use
 
 
 class Recorder(Callback):
@@ -49,30 +107,56 @@ class Recorder(Callback):
 
     The history accumulates across fits (iteration and epoch numbers keep
     increasing); ``reset()`` clears it. After a fit, these are plain python
-    lists: ``lrs``, ``moms`` (None where the optimizer has no momentum),
-    ``losses``, ``smooth_losses``, ``iterations`` and ``batch_sizes`` per
-    training step; ``epochs``, ``epoch_iterations`` (the last iteration of each
-    epoch), ``train_losses``, ``valid_losses`` (NaN when validation was
-    skipped), ``metrics`` (one list per epoch), ``epoch_metric_names`` (their
-    names, per epoch: fits may use different metrics) and ``times`` (seconds)
-    per epoch. ``metric_names`` are the latest fit's metric names.
+    lists: per point of the training curve ``lrs``, ``moms`` (None where the
+    optimizer has no momentum), ``losses``, ``smooth_losses``, ``iterations``
+    and ``batch_sizes``; per epoch ``epochs``, ``epoch_iterations`` (the last
+    iteration of each epoch), ``train_losses``, ``valid_losses`` (NaN when
+    validation was skipped), ``metrics`` (one list per epoch),
+    ``epoch_metric_names`` (their names, per epoch: fits may use different
+    metrics) and ``times`` (seconds). ``metric_names`` are the latest fit's.
+
+    Per-step points have a fixed budget, ``max_points``. Up to that many
+    steps there is one point per step, the step's own values. One step more
+    and neighbouring points merge in pairs, so each point covers 2 steps,
+    then 4, 8... (``steps_per_point``): a merged point's ``losses`` is the
+    sample-weighted mean loss of its steps and ``batch_sizes`` their samples,
+    while ``lrs``, ``moms``, ``smooth_losses`` and ``iterations`` are those
+    of its last step (exact samples of the schedule, not averages). The
+    newest steps, not yet a whole point, are read as one last point. The
+    per-epoch lists stay complete and exact: ``train_losses`` comes from
+    running sums of the raw losses, never from merged points. Memory and
+    ``state_dict()`` stay bounded for any length of run, and a run resumed
+    from a checkpoint ends with the same history as one that never stopped.
+    Loading a state into a Recorder with a smaller budget merges it to fit.
 
     ``lr`` and momentum are those of the last parameter group that the batch's
     ``opt.step()`` used (``HPOptimizer.stepped``), even when a scheduler sets
     the next ones later in the same batch; a batch without a step records the
     latest step's values.
 
+    Args:
+        max_points: the most per-step points kept (an int >= 2).
+
     Example:
         >>> rec = Recorder()
         >>> fit(3, model, F.cross_entropy, opt, data, callbacks=[rec])
         >>> rec.epoch_table()[-1]["valid_loss"]
         0.3121
-        >>> fig = rec.plot_losses()
+        >>> rec.plot_losses()
+        <Axes: xlabel='iteration', ylabel='loss'>
     """
 
     order = 50
 
-    def __init__(self) -> None:
+    def __init__(self, max_points: int = 4096) -> None:
+        if isinstance(max_points, bool) or not isinstance(max_points, int):
+            max_points = -1  # refused below, with the value received
+        if max_points < 2:
+            raise ValueError(
+                f"Recorder(max_points=...) must be an int >= 2 (the per-step "
+                f"points kept); got {max_points!r}. Fix: e.g. max_points=4096."
+            )
+        self._max_points = max_points
         self.reset()
         # The latest LR finder sweep (lrs, losses, suggestions), for
         # plot_lr_find; Learner.lr_find sets it. Not part of the history.
@@ -80,15 +164,15 @@ class Recorder(Callback):
 
     def reset(self) -> None:
         """Forgets the whole history."""
-        self._lrs: list[float] = []
-        self._moms: list[float | None] = []
-        self._batch_sizes: list[int] = []
-        self._losses: list[float] = []
-        self._smooth: list[float] = []
+        self._points: list[_Point] = []  # whole points of _stride steps each
+        self._part: _Point | None = None  # the newest steps, fewer than _stride
+        self._stride = 1
+        self._count = 0  # steps recorded, pending ones included
         # The steps not yet read: ((lr, mom), loss, batch size), the losses as
         # device tensors (see _flush).
         self._pending: list[tuple] = []
         self._smoother = LossSmoother()
+        self._epoch_loss = [0.0, 0]  # this epoch's sum of loss * size, and samples
         self.epochs: list[int] = []
         self.epoch_iterations: list[int] = []
         self.train_losses: list[float] = []
@@ -97,53 +181,62 @@ class Recorder(Callback):
         self.epoch_metric_names: list[list[str]] = []
         self.times: list[float] = []
         self.metric_names: list[str] = []
-        self._epoch_first, self._t0 = 0, time.perf_counter()
+        self._t0 = time.perf_counter()
 
     # Reading a per-step list moves the pending steps' losses to Python first:
     # one host-device sync, so read them between epochs, not per batch.
     @property
     def lrs(self) -> list[float]:
-        """The learning rate of every step (of the last parameter group)."""
-        self._flush()
-        return self._lrs
+        """The learning rate of every point (of the last parameter group)."""
+        return self._column("lrs")
 
     @property
     def moms(self) -> list[float | None]:
-        """The momentum of every step; None where the optimizer has none."""
-        self._flush()
-        return self._moms
+        """The momentum of every point; None where the optimizer has none."""
+        return self._column("moms")
 
     @property
     def iterations(self) -> list[int]:
-        """The iteration number of every step: 0, 1, 2... across fits."""
-        return list(range(self._n_steps))
+        """The iteration of every point (its last step): 0, 1, 2... across
+        fits, then every ``steps_per_point``-th once points merge."""
+        return self._column("iterations")
 
     @property
     def batch_sizes(self) -> list[int]:
-        """The number of samples of every step."""
-        self._flush()
-        return self._batch_sizes
+        """The number of samples of every point."""
+        return self._column("batch_sizes")
 
     @property
     def losses(self) -> list[float]:
-        """The raw training loss of every step."""
-        self._flush()
-        return self._losses
+        """The raw training loss of every step; of merged points, the
+        sample-weighted mean of their steps' losses."""
+        return self._column("losses")
 
     @property
     def smooth_losses(self) -> list[float]:
-        """The smoothed training loss of every step.
+        """The smoothed training loss of every point (its last step).
 
         The same debiased moving average as ``state['smooth_loss']``, which
         restarts with each fit, computed in float64 from the raw losses when
         they are read: recording it costs no device op per step.
         """
-        self._flush()
-        return self._smooth
+        return self._column("smooth_losses")
 
     @property
-    def _n_steps(self) -> int:
-        return len(self._lrs) + len(self._pending)
+    def max_points(self) -> int:
+        """The most per-step points kept (read only: set it when creating)."""
+        return self._max_points
+
+    @property
+    def steps_per_point(self) -> int:
+        """How many steps each whole point covers: 1 until ``max_points``
+        steps were recorded, then 2, 4, 8..."""
+        return self._stride
+
+    def _column(self, key: str) -> list:
+        self._flush()
+        points = self._points if self._part is None else [*self._points, self._part]
+        return list(map(attrgetter(_FIELDS[key]), points))
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, metrics: Any, iteration: int) -> None:
@@ -154,9 +247,10 @@ class Recorder(Callback):
         self.metric_names = list(getattr(metrics, "names", []))
 
     def on_epoch_begin(self, num_batch: int) -> None:
-        """Runs at the start of each epoch: starts its clock."""
-        # num_batch > 0: an epoch resumed part way; its first steps are recorded.
-        self._epoch_first = self._n_steps - num_batch
+        """Runs at the start of each epoch: starts its clock and its sums."""
+        # num_batch > 0: an epoch resumed part way, whose sums were loaded.
+        if num_batch == 0:
+            self._epoch_loss = [0.0, 0]
         self._t0 = time.perf_counter()
 
     def on_batch_end(
@@ -171,6 +265,9 @@ class Recorder(Callback):
         if train:  # one append: this runs every batch
             size = batch_size(last_target, last_input)
             self._pending.append((_hypers(opt), last_loss, size))
+            self._count += 1
+            if len(self._pending) >= FLUSH_EVERY:  # bounded, also in endless epochs
+                self._flush()
 
     def on_epoch_end(self, last_metrics: list | None) -> None:
         """Runs after validation: records the epoch, with one host transfer."""
@@ -178,12 +275,10 @@ class Recorder(Callback):
         values = self._flush(last_metrics or [])
         if last_metrics is None:
             values = [math.nan] * (1 + len(self.metric_names))
-        first = self._epoch_first
+        total, samples = self._epoch_loss
         self.epochs.append(len(self.epochs))
-        self.epoch_iterations.append(self._n_steps - 1)
-        self.train_losses.append(
-            weighted_mean(self._losses[first:], self._batch_sizes[first:])
-        )
+        self.epoch_iterations.append(self._count - 1)
+        self.train_losses.append(total / samples if samples else math.nan)
         self.valid_losses.append(values[0])
         self.metrics.append(values[1:])
         self.epoch_metric_names.append(list(self.metric_names))
@@ -191,55 +286,100 @@ class Recorder(Callback):
         self.times.append(time.perf_counter() - self._t0)
 
     def _flush(self, extra: Iterable = ()) -> list[float]:
-        """Moves the pending steps to the lists, with ``extra`` (one sync).
+        """Moves the pending steps into the points, with ``extra`` (one sync).
 
         Returns ``extra`` as floats.
         """
         steps, self._pending = self._pending, []
         values = to_floats([loss for _, loss, _ in steps], extra)
-        for (lr, mom), _, size in steps:
-            self._lrs.append(lr)
-            self._moms.append(mom)
-            self._batch_sizes.append(size)
         losses, n = values[: len(steps)], len(steps)
-        self._losses += losses
-        self._smooth += self._smoother(losses)
+        total, samples = self._epoch_loss
+        iteration = self._count - n
+        for ((lr, mom), _, size), loss, smooth in zip(
+            steps, losses, self._smoother(losses), strict=True
+        ):
+            total += loss * size  # step by step: the same sum however flushed
+            samples += size
+            part = self._part
+            if part is None and len(self._points) >= self._max_points:
+                self._merge_pairs()  # which may leave a partial point
+                part = self._part
+            if part is None:
+                part = self._part = _Point(1, size, loss, lr, mom, smooth, iteration)
+            else:  # added in place: no new object per step
+                part.add(size, loss, lr, mom, smooth, iteration)
+            if part.steps == self._stride:  # a whole point
+                self._points.append(part)
+                self._part = None
+            iteration += 1
+        self._epoch_loss = [total, samples]
         return values[n:]
+
+    def _merge_pairs(self) -> None:
+        """Halves the points: each pair becomes one point of twice the steps."""
+        points = self._points
+        merged = [a.merged(b) for a, b in zip(points[::2], points[1::2], strict=False)]
+        if len(points) % 2:  # the odd one out starts the new partial point
+            last = points[-1]
+            self._part = last if self._part is None else last.merged(self._part)
+        self._points, self._stride = merged, self._stride * 2
 
     # -- saving ----------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The whole history as plain python lists, numbers and strings."""
-        state = {k: list(getattr(self, k)) for k in _STEP_KEYS + _EPOCH_KEYS}
+        """The history as plain python lists, numbers and strings: at most
+        ``max_points`` per-step points, so its size is bounded."""
+        self._flush()
+        state = {
+            key: list(map(attrgetter(field), self._points))
+            for key, field in _FIELDS.items()
+        }
+        state |= {k: list(getattr(self, k)) for k in _EPOCH_KEYS}
         for key in _NESTED_KEYS:
             state[key] = [list(v) for v in getattr(self, key)]
         state["metric_names"] = list(self.metric_names)
         state["smoother"] = [self._smoother.avg, self._smoother.n]
+        state["steps_per_point"] = self._stride
+        state["partial"] = None if self._part is None else asdict(self._part)
+        state["epoch_loss"] = list(self._epoch_loss)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores the history that ``state_dict`` returned."""
-        missing = sorted({*_STEP_KEYS, *_EPOCH_KEYS, "metric_names"} - state.keys())
-        if missing:
-            raise ValueError(
-                f"Recorder.load_state_dict: the state lacks {missing}. Fix: pass "
-                "what Recorder.state_dict() returned."
-            )
-        for keys, what in ((_STEP_KEYS, "step"), (_EPOCH_KEYS, "epoch")):
-            lengths = {k: len(state[k]) for k in keys}
-            if len(set(lengths.values())) > 1:
-                raise ValueError(
-                    f"Recorder.load_state_dict: the per-{what} lists differ in "
-                    f"length {lengths}; the state is truncated or corrupt."
-                )
+        """Restores the history that ``state_dict`` returned (also one saved
+        before the budget existed: one point per step)."""
+        _check_state(state)
         self.reset()
-        for key in _STEP_KEYS + _EPOCH_KEYS:  # copies: later fits append to them
-            if key != "iterations":  # always 0, 1, 2...: derived from the count
-                setattr(self, _ATTRS.get(key, key), list(state[key]))
+        stride = state.get("steps_per_point", 1)
+        columns = [state[key] for key in _FIELDS]
+        self._points = [
+            _Point(stride, size, loss, lr, mom, smooth, it)
+            for lr, mom, loss, smooth, it, size in zip(*columns, strict=True)
+        ]
+        if "steps_per_point" not in state:  # the older format: no budget yet
+            self._from_one_point_per_step(state)
+        else:
+            partial = state["partial"]
+            self._part = None if partial is None else _Point(**partial)
+            self._epoch_loss = list(state["epoch_loss"])
+        self._stride = stride
+        last = self._part or (self._points[-1] if self._points else None)
+        self._count = 0 if last is None else last.iteration + 1
+        for key in _EPOCH_KEYS:  # copies: later fits append to them
+            setattr(self, key, list(state[key]))
         for key in _NESTED_KEYS:
             setattr(self, key, [list(v) for v in state[key]])
         self.metric_names = list(state["metric_names"])
         if "smoother" in state:  # the moving average of the fit in progress
             self._smoother.avg, self._smoother.n = state["smoother"]
+        while len(self._points) + (self._part is not None) > self.max_points:
+            self._merge_pairs()  # saved with a larger budget than this one's
+
+    def _from_one_point_per_step(self, state: dict) -> None:
+        for it, point in enumerate(self._points):
+            point.iteration = it  # were always 0, 1, 2...
+        ends = state["epoch_iterations"]
+        for point in self._points[ends[-1] + 1 if ends else 0 :]:  # epoch in progress
+            self._epoch_loss[0] += point.loss * point.batch_size
+            self._epoch_loss[1] += point.batch_size
 
     # -- reading ---------------------------------------------------------------
     def epoch_table(self) -> list[dict]:
@@ -269,25 +409,42 @@ class Recorder(Callback):
             for e, t, v, m, names, s in rows
         ]
 
-    def plot_losses(self) -> Any:
-        """Raw (faint) and smoothed train loss per step, valid loss per epoch.
+    # Plots follow matplotlib's convention (fitlib.plots): drawn into ``ax``
+    # when given, else into a new pyplot figure, which a notebook shows once at
+    # the end of the cell and a script on plt.show(). They return the Axes.
+    def plot_losses(self, ax: Any = None) -> Any:
+        """The training loss per step, raw (faint) and smoothed, and per epoch
+        the mean training loss and the validation loss, at the epoch's end.
 
-        Returns the matplotlib Figure.
+        The smoothed curve lags the raw one (a moving average over about 50
+        steps); the epoch means are the train losses of ``epoch_table()``.
+
+        Args:
+            ax: the matplotlib Axes to draw into; None: a new pyplot figure.
+
+        Returns:
+            The Axes.
         """
         self._check_steps()
-        ax = (fig := _figure()).subplots()
-        ax.plot(self.iterations, self.losses, alpha=0.3, label="train (raw)")
-        ax.plot(self.iterations, self.smooth_losses, label="train (smoothed)")
-        if any(not math.isnan(v) for v in self.valid_losses):
-            ax.plot(self.epoch_iterations, self.valid_losses, "o-", label="valid")
-        ax.set(xlabel="iteration", ylabel="loss")
-        ax.legend()
-        return fig
+        steps = "raw" if self._stride == 1 else f"mean of {self._stride} steps"
+        return plots.losses(
+            ax,
+            self.iterations,
+            {f"train ({steps})": self.losses, "train (smoothed)": self.smooth_losses},
+            self.epoch_iterations,
+            {"train (epoch mean)": self.train_losses, "valid": self.valid_losses},
+        )
 
-    def plot_lr(self, show_moms: bool = False) -> Any:
+    def plot_lr(self, show_moms: bool = False, ax: Any = None) -> Any:
         """The learning rate per step, and the momentum on a second panel.
 
-        Returns the matplotlib Figure.
+        Args:
+            show_moms: add the momentum panel.
+            ax: the Axes to draw into (with ``show_moms``, a sequence of two);
+                None: a new pyplot figure.
+
+        Returns:
+            The Axes, or a list of two with ``show_moms``.
         """
         self._check_steps()
         if show_moms and all(m is None for m in self.moms):
@@ -295,23 +452,24 @@ class Recorder(Callback):
                 "plot_lr(show_moms=True): no momentum was recorded (the "
                 "optimizer has neither betas nor momentum). Fix: show_moms=False."
             )
-        fig = _figure()
-        axes = fig.subplots(1, 2 if show_moms else 1, squeeze=False)
-        axes[0, 0].plot(self.iterations, self.lrs)
-        axes[0, 0].set(xlabel="iteration", ylabel="learning rate")
+        panels = {"learning rate": self.lrs}
         if show_moms:
-            moms = [math.nan if m is None else m for m in self.moms]
-            axes[0, 1].plot(self.iterations, moms)
-            axes[0, 1].set(xlabel="iteration", ylabel="momentum")
-        return fig
+            panels["momentum"] = [math.nan if m is None else m for m in self.moms]
+        where = f"plot_lr(show_moms={show_moms})"
+        return plots.per_step(ax, self.iterations, panels, where)
 
-    def plot_metrics(self) -> Any:
+    def plot_metrics(self, ax: Any = None) -> Any:
         """One panel per metric, its value per epoch.
 
         A metric that only some fits computed is NaN (a gap) in the other
         epochs. Panels follow the order in which the metrics first appeared.
 
-        Returns the matplotlib Figure.
+        Args:
+            ax: the Axes to draw into, a sequence of one per metric when there
+                are several; None: a new pyplot figure.
+
+        Returns:
+            The Axes, or a list of them when there are several metrics.
         """
         if not self.epochs:
             raise ValueError(f"no epoch has finished yet; {_NOT_FIT}.")
@@ -325,40 +483,85 @@ class Recorder(Callback):
             dict(zip(ns, m, strict=False))
             for ns, m in zip(self.epoch_metric_names, self.metrics, strict=True)
         ]
-        fig = _figure()
-        axes = fig.subplots(1, len(names), squeeze=False)
-        for ax, name in zip(axes[0], names, strict=True):
-            ys = [values.get(name, math.nan) for values in per_epoch]
-            ax.plot(self.epochs, ys, "o-")
-            ax.set(xlabel="epoch", ylabel=name)
-        return fig
+        panels = {n: [values.get(n, math.nan) for values in per_epoch] for n in names}
+        return plots.per_epoch(ax, self.epochs, panels, "plot_metrics")
 
-    def plot_lr_find(self) -> Any:
+    def plot_lr_find(
+        self, skip_start: int = 5, skip_end: int = 5, ax: Any = None
+    ) -> Any:
         """The smoothed loss against the learning rate of the last LR finder
-        sweep (log scale), with the suggested learning rates marked.
+        sweep (log scale), with every suggested learning rate marked.
 
-        Returns the matplotlib Figure.
+        The first ``skip_start`` and last ``skip_end`` points are left out (a
+        short sweep keeps at least half its points: both shrink in
+        proportion), and the y-axis stops a little above the loss where the
+        plotted curve starts, so the divergence at the end does not flatten
+        the part that matters. A suggestion in a left-out part is marked,
+        hollow, at the nearest plotted point.
+
+        Args:
+            skip_start: points to leave out at the start (an int >= 0).
+            skip_end: points to leave out at the end (an int >= 0).
+            ax: the Axes to draw into; None: a new pyplot figure.
+
+        Returns:
+            The Axes.
         """
+        for name, value in (("skip_start", skip_start), ("skip_end", skip_end)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"plot_lr_find({name}=...) must be an int >= 0 (points of "
+                    f"the sweep left out); got {value!r}. Fix: e.g. {name}=5, or "
+                    "0 to plot them all."
+                )
         result = self.lr_find_result
         if not result or not result["lrs"]:
             raise ValueError(
                 "no LR finder sweep to plot. Fix: run learn.lr_find() first (with "
                 "fit and an LRFinder: recorder.lr_find_result = finder.result)."
             )
-        ax = (fig := _figure()).subplots()
-        ax.plot(result["lrs"], result["losses"])
-        for (name, lr), marker in zip(
-            result["suggestions"].items(), "ov", strict=False
-        ):
-            loss = result["losses"][_nearest(result["lrs"], lr)]
-            ax.plot(lr, loss, marker, markersize=8, label=f"{name}: {lr:.2e}")
-        ax.set(xscale="log", xlabel="learning rate", ylabel="loss (smoothed)")
-        ax.legend()
-        return fig
+        return plots.lr_find(ax, result, skip_start, skip_end)
 
     def _check_steps(self) -> None:
-        if not self.iterations:
+        if not self._count:
             raise ValueError(f"no training step was recorded; {_NOT_FIT}.")
+
+
+def _check_state(state: dict) -> None:
+    """Refuses a state that ``Recorder.state_dict`` cannot have returned."""
+    missing = sorted({*_FIELDS, *_EPOCH_KEYS, "metric_names"} - state.keys())
+    if missing:
+        raise ValueError(
+            f"Recorder.load_state_dict: the state lacks {missing}. Fix: pass "
+            "what Recorder.state_dict() returned."
+        )
+    for keys, what in ((_FIELDS, "step"), (_EPOCH_KEYS, "epoch")):
+        lengths = {k: len(state[k]) for k in keys}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                f"Recorder.load_state_dict: the per-{what} lists differ in "
+                f"length {lengths}; the state is truncated or corrupt."
+            )
+    stride, partial = state.get("steps_per_point", 1), state.get("partial")
+    bad_partial = partial is not None and (
+        not isinstance(partial, dict)
+        or partial.keys() != set(_Point.__dataclass_fields__)
+        or not 0 < partial["steps"] < stride
+    )
+    if (
+        isinstance(stride, bool)
+        or not isinstance(stride, int)
+        or stride < 1
+        or stride & (stride - 1)
+        or bad_partial
+        or ("steps_per_point" in state and "epoch_loss" not in state)
+    ):
+        raise ValueError(
+            f"Recorder.load_state_dict: steps_per_point={stride!r} with partial "
+            f"point {partial!r} is not a state Recorder.state_dict() returns "
+            "(a power of 2, and a partial point of fewer steps); the state is "
+            "corrupt. Fix: pass what Recorder.state_dict() returned."
+        )
 
 
 def _hypers(opt: Any) -> tuple[float, float | None]:
@@ -370,23 +573,3 @@ def _hypers(opt: Any) -> tuple[float, float | None]:
         lr if type(lr) is float else float(lr),
         mom if mom is None or type(mom) is float else float(mom),
     )
-
-
-def _nearest(values: list[float], x: float) -> int:
-    """The index of the value nearest to ``x`` on a log scale."""
-    return min(range(len(values)), key=lambda i: abs(math.log(values[i] / x)))
-
-
-def _figure() -> Any:
-    """A new Figure, already closed in pyplot: a notebook shows the returned
-    figure once (not twice) and scripts leak no open figures."""
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "Recorder plots need matplotlib. Fix: pip install matplotlib "
-            "(or fitlib[plot])."
-        ) from e
-    fig = plt.figure(layout="tight")
-    plt.close(fig)
-    return fig

@@ -16,14 +16,19 @@ import torch
 from fitlib.core import to_floats
 from fitlib.metrics import weighted_sum
 
+# Batches whose losses wait as separate tensors: then they are summed into
+# one on the device (no sync), so an epoch of any length keeps little.
+FOLD = 1024
+
 
 class RunningLoss:
     """A sample-weighted sum of losses, kept as device tensors until read.
 
-    ``add`` only appends (no device op, no sync); ``pending`` gives the sum
-    as a device tensor to read together with other values in one transfer;
-    ``mean`` turns what was read into the mean. ``state_dict`` reads the sum
-    (one sync: call it when saving), and a restored sum is added in.
+    ``add`` only appends (no sync; every ``FOLD`` batches one device op sums
+    them, so memory stays bounded); ``pending`` gives the sum as a device
+    tensor to read together with other values in one transfer; ``mean`` turns
+    what was read into the mean. ``state_dict`` reads the sum (one sync: call
+    it when saving), and a restored sum is added in.
 
     Example:
         >>> loss = RunningLoss()
@@ -39,21 +44,35 @@ class RunningLoss:
         """Forgets the losses; ``total`` and ``count`` start the sums (restored)."""
         self._losses: list[torch.Tensor] = []
         self._sizes: list[int] = []
+        self._folded: torch.Tensor | None = None  # the sum of earlier batches
+        self._folded_count = 0
         self._total, self._count = float(total), int(count)
 
     def add(self, loss: torch.Tensor, size: int) -> None:
         """Adds a batch's detached loss (a mean over ``size`` samples)."""
         self._losses.append(loss)
         self._sizes.append(size)
+        if len(self._losses) >= FOLD:
+            self._folded = self.pending()[0]
+            self._folded_count += sum(self._sizes)
+            self._losses, self._sizes = [], []
 
     @property
     def samples(self) -> int:
         """The number of samples added (restored ones included)."""
-        return self._count + sum(self._sizes)
+        return self._count + self._folded_count + sum(self._sizes)
+
+    @property
+    def restored(self) -> tuple[float, int]:
+        """The sum and count that ``reset`` (or ``load_state_dict``) started from."""
+        return self._total, self._count
 
     def pending(self) -> list[torch.Tensor]:
         """``[sum of size * loss]`` over the batches added, or ``[]`` if none."""
-        return [weighted_sum(self._losses, self._sizes)] if self._losses else []
+        parts = [self._folded] if self._folded is not None else []
+        if self._losses:
+            parts.append(weighted_sum(self._losses, self._sizes))
+        return [parts[0] + parts[1]] if len(parts) == 2 else parts
 
     def mean(self, read: list[float]) -> float:
         """The mean loss per sample, given ``pending()`` read as floats."""

@@ -206,8 +206,7 @@ def test_lr_find_crosses_epochs_without_validation_and_plots(tmp_path):
     assert len(result["lrs"]) == 10 and seen.train == 10 and seen.valid == 0
     assert result["lrs"][0] == pytest.approx(1e-7)
     assert result["lrs"][-1] == pytest.approx(10.0)
-    fig = learn.recorder.plot_lr_find()
-    ax = fig.axes[0]
+    ax = learn.recorder.plot_lr_find()
     assert ax.get_xscale() == "log"
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(s.startswith("steepest") for s in labels)
