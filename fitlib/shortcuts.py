@@ -24,7 +24,7 @@ from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
-from fitlib.callbacks.progress import ProgressBar
+from fitlib.callbacks.progress import SweepBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
 from fitlib.core import fit, len_or_none, to_floats
 from fitlib.metrics import Metrics
@@ -136,11 +136,21 @@ class TrainingShortcuts:
         checkpoints, loggers, schedulers and early stopping sit it out.
         Afterwards the model, the optimizer, the callbacks' states and
         the random number generators are as before; ``recorder.plot_lr_find()``
-        plots the sweep.
+        plots the sweep. With ``progress``, one bar follows the sweep's steps.
+
+        Use ``valley``. A ``UserWarning`` says when the suggestions are doubtful
+        (see ``sweep_problems``): the loss never fell (they are noise), or
+        the valley begins at ``start_lr`` or still goes on at ``end_lr``.
+
+        The sweep runs at the optimizer's momentum as it is. ``fit_one_cycle``
+        moves momentum to 0.95-0.85, so for plain SGD (momentum 0) a rate
+        swept without momentum is several times too high there: create the
+        optimizer with the momentum you will train with (e.g. ``opt_func=
+        partial(torch.optim.SGD, momentum=0.9)``), or pass ``moms=None``.
 
         Example:
             >>> learn.lr_find()
-            SuggestedLRs(steepest=0.0012, min_div10=0.0036)
+            SuggestedLRs(valley=0.0011, steepest=0.0025, min_div10=0.0036)
             >>> learn.recorder.plot_lr_find()
         """
         finder = LRFinder(start_lr, end_lr, num_it, stop_div, mode)
@@ -148,7 +158,7 @@ class TrainingShortcuts:
         had_opt, saved = self.opt is not None, _states(sweepers)
         if not had_opt:
             self.create_opt(start_lr)
-        extra = [ProgressBar()] if self.progress else []
+        extra = [SweepBar(num_it)] if self.progress else []
         try:
             fit(
                 self._sweep_epochs(num_it),

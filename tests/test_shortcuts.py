@@ -1,19 +1,21 @@
 import itertools
+import sys
 
 import pytest
+from fastprogress import fastprogress
 from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, Learner
 
 
-def learner(tmp_path, **kwargs):
+def learner(tmp_path, progress=False, **kwargs):
     return Learner(
         make_data(n_train=160, bs=16),  # 10 batches an epoch
         make_model(),
         F.cross_entropy,
         path=tmp_path,
-        progress=False,
+        progress=progress,
         **kwargs,
     )
 
@@ -103,3 +105,36 @@ def test_breaking_out_of_fit_iter_ends_training_cleanly(tmp_path):
 def test_fit_iter_every_must_be_a_positive_int(tmp_path, every):
     with pytest.raises(ValueError, match="every must be a positive int"):
         next(learner(tmp_path).fit_iter(n_steps=10, every=every))
+
+
+# -- lr_find's progress ------------------------------------------------------------
+def fake_terminal(monkeypatch):
+    """stdout (pytest's capture) answers as a terminal, so bars are drawn."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(fastprogress, "printing", lambda: True)
+
+
+@pytest.mark.filterwarnings("ignore:lr_find:UserWarning")  # a toy sweep
+def test_lr_find_shows_one_bar_over_its_steps_and_no_results_table(
+    tmp_path, monkeypatch, capsys
+):
+    learn = learner(tmp_path, progress=True)  # 10 batches an epoch: 3 epochs
+    fake_terminal(monkeypatch)
+    learn.lr_find(num_it=25, stop_div=False)
+    out = capsys.readouterr().out
+    assert "[25/25" in out and "smooth loss" in out
+    assert "[10/10" not in out and "Epoch" not in out  # no bar per epoch
+    assert "#na#" not in out and "train_loss" not in out  # no table
+    lines = out.split("\n")  # the bar redraws its line after a "\r"
+    assert sum("|" in line for line in lines) == 1  # one bar,
+    assert lines[-2].endswith("]") and lines[-1] == ""  # ended by a new line
+    learn.progress = False
+    learn.lr_find(num_it=25)
+    assert capsys.readouterr().out == ""  # without progress, nothing
+
+
+@pytest.mark.filterwarnings("ignore:lr_find:UserWarning")
+def test_lr_find_writes_no_table_of_fake_epochs_in_a_log(tmp_path, capsys):
+    learner(tmp_path, progress=True).lr_find(num_it=25)  # stdout: no terminal
+    out = capsys.readouterr().out
+    assert "#na#" not in out and "epoch" not in out and "|" not in out

@@ -116,6 +116,7 @@ def test_training_control_callbacks_add_no_sync_per_batch(
     assert few == many
 
 
+@pytest.mark.filterwarnings("ignore:lr_find:UserWarning")  # a short toy sweep
 def test_lr_find_adds_no_sync_per_step(sync_counter, monkeypatch):
     def sweep(n_steps):
         def train(learn):

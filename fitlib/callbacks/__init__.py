@@ -32,7 +32,8 @@ Recorder                50   after callbacks that change the loss or hyper-
 CSVLogger,              55   after the Recorder: write each epoch's final
 TextLogger,                  values and the lr each step used
 TensorBoardLogger
-ProgressBar             60   after Recorder: shows what the epoch ended with
+ProgressBar,            60   after Recorder: shows what the epoch ended with;
+SweepBar                     after the LRFinder (10): sees its stop
 ====================  =====  ================================================
 """
 
@@ -48,7 +49,7 @@ from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.monitor import Monitor
 from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.plateau import ReduceLROnPlateau
-from fitlib.callbacks.progress import ProgressBar
+from fitlib.callbacks.progress import ProgressBar, SweepBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.schedule import (
     ParamScheduler,
@@ -78,6 +79,7 @@ __all__ = [
     "Recorder",
     "ReduceLROnPlateau",
     "SuggestedLRs",
+    "SweepBar",
     "TensorBoardLogger",
     "TerminateOnNaN",
     "TextLogger",

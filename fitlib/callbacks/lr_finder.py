@@ -9,12 +9,19 @@ The sweep stops once the smoothed loss exceeds 4 times its best value or is
 not finite. That test runs on the device: the losses are read at most every
 ``check_every`` seconds (and at the end), so the sweep can run up to that long
 past the divergence; the steps after it are dropped from the record.
+
+The suggestions are read off the smoothed loss before the divergence (see
+``suggest_lrs``). ``sweep_problems`` says when they deserve no trust (the loss
+never fell) or the sweep's range cut them off; the finder keeps these in
+``problems`` and warns about each.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,20 +29,31 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.core import to_floats
+from fitlib.distributed import is_main
 from fitlib.errors import is_number
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import host_copy
 
 DIVERGED = 4.0  # the smoothed loss, as a multiple of its best, that ends a sweep
+# The loss "fell" if its lowest value before the divergence is at least this
+# fraction (of its start level's magnitude) below the start level: the median
+# of the first tenth of the sweep, where the smoothed loss is mostly noise.
+FELL = 0.01
+# The flat start ends at the last point, before the minimum, whose loss is
+# still within this fraction of the total fall below the start level.
+FLAT = 0.1
 
 
 class SuggestedLRs(NamedTuple):
-    """Learning rates read off an LR finder's curve.
+    """Learning rates read off an LR finder's curve (see ``suggest_lrs``).
 
-    ``steepest``: where the smoothed loss falls fastest (per log lr), before
-    its minimum. ``min_div10``: the lr of the minimum loss, divided by 10.
+    ``valley`` (the one to use): half-way, in log lr, along the valley, the
+    stretch from where the smoothed loss leaves its flat start to its minimum.
+    ``steepest``: where it falls fastest (per log lr) in that valley.
+    ``min_div10``: the lr of its minimum, divided by 10.
     """
 
+    valley: float
     steepest: float
     min_div10: float
 
@@ -45,7 +63,11 @@ class LRFinder(Callback):
 
     After the fit, ``lrs`` and ``losses`` (smoothed) hold the sweep up to the
     divergence, ``suggestions`` the suggested learning rates, and ``result``
-    all three as a dict for ``Recorder.plot_lr_find``.
+    all three as a dict for ``Recorder.plot_lr_find``. ``problems`` maps what
+    makes the suggestions doubtful (``"no_fall"``, ``"start_edge"``,
+    ``"end_edge"``: see ``sweep_problems``) to its message; each is also
+    warned about (a ``UserWarning``, by the main process) when the sweep ends
+    without an error.
 
     Args:
         start_lr: the learning rate of the first step (> 0).
@@ -61,10 +83,13 @@ class LRFinder(Callback):
         >>> finder = LRFinder(num_it=100)
         >>> fit(10, model, F.cross_entropy, opt, data, callbacks=[finder])
         >>> finder.suggestions
-        SuggestedLRs(steepest=0.0012, min_div10=0.0036)
+        SuggestedLRs(valley=0.0011, steepest=0.0025, min_div10=0.0036)
+        >>> finder.problems
+        {}
     """
 
     order = 10
+    sets_hypers = ("lr",)  # no schedule of lr may run beside the sweep
 
     _saved: dict | None = None  # what on_train_begin saved, until restored
 
@@ -83,6 +108,7 @@ class LRFinder(Callback):
         self.lrs: list[float] = []
         self.losses: list[float] = []
         self.suggestions: SuggestedLRs | None = None
+        self.problems: dict[str, str] = {}
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based)."""
@@ -106,6 +132,7 @@ class LRFinder(Callback):
         self._step, self._stepped = 0, False
         self._last_check = time.perf_counter()
         self.lrs, self.losses, self.suggestions = [], [], None
+        self.problems = {}
         opt.lr = self.lr_at(0)
 
     def on_epoch_begin(self) -> dict:
@@ -128,8 +155,11 @@ class LRFinder(Callback):
         opt.lr = self.lr_at(self._step)
         return None
 
-    def on_train_end(self, model: torch.nn.Module, opt: Any) -> None:
-        """Runs at the end (also after an error): restores, keeps the sweep."""
+    def on_train_end(
+        self, model: torch.nn.Module, opt: Any, exception: BaseException | None
+    ) -> None:
+        """Runs at the end (also after an error): restores, keeps the sweep,
+        suggests learning rates and warns about doubtful ones."""
         if self._saved is None:
             return  # never started: an earlier callback's on_train_begin failed
         try:
@@ -137,12 +167,21 @@ class LRFinder(Callback):
         finally:  # whatever happens, the model and optimizer go back
             _restore(self._saved, model, opt)
             self._saved = None
-        end = self._divergence(losses) if self.stop_div else len(losses)
+        end = _divergence(losses) if self.stop_div else len(losses)
         self.losses = losses[:end]
         self.lrs = [self.lr_at(i) for i in range(end)]
         self._losses, self._floats = [], []
-        if any(math.isfinite(loss) for loss in self.losses):
-            self.suggestions = suggest_lrs(self.lrs, self.losses)
+        if self.losses and math.isfinite(self.losses[0]):  # else none: lr_find says
+            self._suggest(losses, warn=exception is None and is_main())
+
+    def _suggest(self, losses: list[float], warn: bool) -> None:
+        """Suggestions off the record; problems off the whole sweep read, past
+        the divergence (whether it diverged decides an "end_edge")."""
+        self.suggestions = suggest_lrs(self.lrs, self.losses)
+        lrs = [self.lr_at(i) for i in range(len(losses))]
+        self.problems = sweep_problems(lrs, losses)
+        for message in self.problems.values() if warn else ():
+            _warn(message)
 
     # -- divergence --------------------------------------------------------------
     def _diverged(self) -> bool:
@@ -152,44 +191,132 @@ class LRFinder(Callback):
             return False
         self._last_check = now
         losses = self._read()
-        return self._divergence(losses) < len(losses)
+        return _divergence(losses) < len(losses)
 
     def _read(self) -> list[float]:
         """All losses as floats: one transfer for those not read before."""
         self._floats += to_floats(self._losses[len(self._floats) :])
         return list(self._floats)
 
-    @staticmethod
-    def _divergence(losses: list[float]) -> int:
-        """The index of the first diverged loss (``len(losses)`` if none)."""
-        best = math.inf
-        for i, loss in enumerate(losses):
-            if not math.isfinite(loss) or loss > DIVERGED * best:
-                return i
-            best = min(best, loss)
-        return len(losses)
-
 
 def suggest_lrs(lrs: list[float], losses: list[float]) -> SuggestedLRs:
-    """The steepest descent (before the minimum) and the minimum lr / 10.
+    """Learning rates read off a sweep's smoothed losses, before it diverged.
 
-    The slope is taken per log lr, skipping the first tenth of the sweep, where
-    the smoothed loss is still mostly noise.
+    The divergence is the first loss that is not finite or above 4 times the
+    best before it: nothing from there on counts. The flat start ends at the
+    last point before the minimum whose loss is still within a tenth of the
+    total fall below the start level (the median of the sweep's first tenth),
+    so its noise decides nothing. The valley runs from there to the minimum:
+    ``valley`` is its middle point (half-way in log lr in a geometric sweep),
+    ``steepest`` its steepest descent, ``min_div10`` the minimum's lr / 10.
+    ``sweep_problems`` says when to distrust them.
 
     Example:
-        >>> suggest_lrs([1e-4, 1e-3, 1e-2, 1e-1], [2.0, 1.5, 0.5, 3.0])
-        SuggestedLRs(steepest=0.01, min_div10=0.001)
+        >>> lrs = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
+        >>> suggest_lrs(lrs, [2.3, 2.31, 2.3, 2.2, 1.8, 1.0, 0.9, 9.0])
+        SuggestedLRs(valley=0.01, steepest=0.01, min_div10=0.1)
     """
-    lowest = int(np.nanargmin(losses))
-    first = max(1, len(lrs) // 10)
-    if lowest - first < 1:  # too few points before the minimum for a slope
-        return SuggestedLRs(float(lrs[lowest]), float(lrs[lowest] / 10))
-    x, y = np.log(lrs[: lowest + 1]), np.asarray(losses[: lowest + 1])
-    slopes = np.gradient(y, x)[first:]
-    if np.isnan(slopes).all():  # stop_div=False keeps NaN losses
-        return SuggestedLRs(float(lrs[lowest]), float(lrs[lowest] / 10))
-    steepest = first + int(np.nanargmin(slopes))
-    return SuggestedLRs(float(lrs[steepest]), float(lrs[lowest] / 10))
+    c = _landmarks(lrs, losses)
+    steepest = c.low
+    if c.low > c.first:  # the slope per log lr, over the valley before its end
+        x = np.log(np.asarray(lrs[: len(c.losses)], dtype=float))
+        steepest = c.first + int(np.argmin(np.gradient(c.losses, x)[c.first : c.low]))
+    picks = ((c.first + c.low) // 2, steepest)
+    return SuggestedLRs(*(float(lrs[i]) for i in picks), float(lrs[c.low]) / 10)
+
+
+def sweep_problems(lrs: list[float], losses: list[float]) -> dict[str, str]:
+    """What makes a sweep's suggestions doubtful, each with what to do.
+
+    ``"no_fall"``: the loss never fell (its minimum before the divergence is
+    less than 1% below its start level), so the suggestions are noise; else
+    ``"start_edge"``: the valley begins in the first fifth of the sweep (a
+    fall from the very first point leaves the start level's band about a
+    tenth in), and ``"end_edge"``: the loss never diverged and is lowest in
+    the last 5% of the sweep, not climbing back by a tenth of its fall after.
+    Pass the whole sweep, past its divergence.
+
+    Example:
+        >>> sweep_problems([1e-3, 1e-2, 1e-1, 1.0], [2.3, 2.3, 2.3, 2.29])
+        {'no_fall': 'lr_find: the loss never fell: ...'}
+    """
+    c, n = _landmarks(lrs, losses), len(losses)
+    low, lr0, last = c.losses[c.low], lrs[0], lrs[n - 1]
+    if c.start - low < FELL * abs(c.start):
+        where = "diverging" if c.diverged else "the sweep ended"
+        return {
+            "no_fall": f"lr_find: the loss never fell: its lowest value before "
+            f"{where} ({low:.4g}, at lr {lrs[c.low]:.2g}) is less than {FELL:.0%} "
+            f"below its start ({c.start:.4g}), so the suggestions are noise. Check "
+            "that the inputs match the labels and the model's output fits the "
+            "loss; then sweep longer (e.g. num_it=300) or from a higher "
+            "start_lr, so that more steps train where the loss can move, with "
+            "the momentum you will train with."
+        }
+    problems = {}
+    if c.first < 2 * c.tenth:
+        problems["start_edge"] = (
+            f"lr_find: the loss already falls near the start of the sweep (its "
+            f"valley begins at lr {lrs[c.first]:.2g}, in the first fifth), so the "
+            f"suggestions may be too high. Fix: lower start_lr, e.g. "
+            f"start_lr={lr0 / 100:.0e}."
+        )
+    rose = c.losses[-1] - low > FLAT * (c.start - low)  # it stopped falling
+    if not (c.diverged or rose) and c.low >= n - max(2, n // 20):
+        problems["end_edge"] = (
+            f"lr_find: the loss still falls at the end of the sweep (lr "
+            f"{last:.2g}) and never diverged: better rates may lie above it. "
+            f"Fix: raise end_lr, e.g. end_lr={last * 100:.0e}."
+        )
+    return problems
+
+
+class _Landmarks(NamedTuple):
+    losses: np.ndarray  # the sweep before its divergence
+    diverged: bool
+    tenth: int  # the points of its first tenth, whose median is the start level
+    start: float
+    first: int  # the last point of the flat start: the valley begins
+    low: int  # the minimum: the valley ends
+
+
+def _landmarks(lrs: list[float], losses: list[float]) -> _Landmarks:
+    end = _divergence(losses)
+    if end == 0 or len(lrs) < len(losses):
+        raise ValueError(
+            f"a sweep needs an lr per loss and a finite first loss; got "
+            f"{len(lrs)} lrs for {len(losses)} losses, the first "
+            f"{losses[0] if losses else None!r}."
+        )
+    y = np.asarray(losses[:end], dtype=float)
+    tenth = max(1, end // 10)
+    start, low = float(np.median(y[:tenth])), int(np.argmin(y))
+    flat = np.flatnonzero(y[: low + 1] >= start - FLAT * (start - y[low]))
+    first = int(flat[-1]) if flat.size else 0
+    return _Landmarks(y, end < len(losses), tenth, start, first, low)
+
+
+def _divergence(losses: list[float]) -> int:
+    """The index of the first diverged loss (``len(losses)`` if none): not
+    finite, or above ``DIVERGED`` times the best before it (the best plus
+    ``DIVERGED - 1`` times its size: a loss may be negative, as an NLL is)."""
+    best = math.inf
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss) or loss - best > (DIVERGED - 1) * abs(best):
+            return i
+        best = min(best, loss)
+    return len(losses)
+
+
+def _warn(message: str) -> None:
+    """Warns at the first caller outside fitlib (``learn.lr_find()``, ``fit``):
+    Python shows a warning once per place, and a notebook cell is a new one."""
+    frame, level = sys._getframe(), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+        "fitlib."
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _snapshot(model: torch.nn.Module, opt: Any, data: Any) -> dict:

@@ -1,9 +1,12 @@
-"""``ProgressBar``: fastprogress bars over epochs and batches, and a results table.
+"""``ProgressBar``: fastprogress bars over epochs and batches, and a results table;
+``SweepBar``: one bar over an LR finder's sweep.
 
-Per batch it appends the loss to a list and compares the clock: the smoothed
-loss is read (a host-device sync) only when the bar is redrawn, at most every
-``refresh`` seconds of wall-clock time, and once at the end of each training
-loader. The table's values reach Python in one transfer per epoch.
+Per batch they compare the clock (``ProgressBar`` also adds the loss to a
+``RunningLoss``, summed on the device): the smoothed loss is read (a
+host-device sync) only when a bar is redrawn, at most every ``refresh``
+seconds of wall-clock time, and once at the end of each training loader or
+sweep. The table's values reach Python in one
+transfer per epoch.
 """
 
 from __future__ import annotations
@@ -45,16 +48,7 @@ class ProgressBar(Callback):
     main_only = True  # under torch.distributed, rank 0 alone
 
     def __init__(self, refresh: float = 0.25, bars: bool | None = None) -> None:
-        if (
-            isinstance(refresh, bool)
-            or not isinstance(refresh, (int, float))
-            or not refresh >= 0
-        ):
-            raise ValueError(
-                f"refresh must be a number of seconds >= 0; got {refresh!r}. "
-                "Fix: e.g. ProgressBar(refresh=0.25)."
-            )
-        self.refresh, self.bars = float(refresh), bars
+        self.refresh, self.bars = _check_refresh(refresh, "ProgressBar"), bars
         self.rows: list[list[str]] = []
         self.mb: Any = None  # the master bar of the current (or last) fit
         self.pb: Any = None  # the child bar of the loader in progress
@@ -150,7 +144,7 @@ class ProgressBar(Callback):
     def _draw(self, now: float) -> None:
         self._last_draw = now
         if self._phase and self._smooth is not None:
-            self._comment = f"smooth loss {float(self._smooth):.4f}"
+            self._comment = _loss_comment(self._smooth)
             self.pb.comment = self._comment
         self.pb.update(self._n)
         self._drawn = self._n
@@ -182,12 +176,117 @@ class ProgressBar(Callback):
         self.mb.write(row, table=True)
 
 
-def _master_bar(n_epochs: int, bars: bool | None) -> Any:
-    fp = _fastprogress()
+class SweepBar(Callback):
+    """One bar over an LR finder's sweep: its optimizer steps, with the
+    smoothed loss as comment, and no table. ``Learner.lr_find`` shows it.
+
+    A sweep that stops early (at the divergence) closes its bar there.
+
+    Args:
+        total: the optimizer steps of the sweep (the finder's ``num_it``).
+        refresh: the least number of seconds between two redraws of the bar.
+        bars: draw the bar (True), nothing (False), or decide (None): the bar
+            in a notebook or a terminal, nothing in a log.
+
+    Example:
+        >>> finder = LRFinder(num_it=100)
+        >>> fit(5, model, F.cross_entropy, opt, data, [finder, SweepBar(100)])
+        |██████████████--------| 63.00% [63/100 00:02<00:01 smooth loss 2.2841]
+    """
+
+    order = 60  # after the finder (10): sees the stop_training of its last step
+    main_only = True  # under torch.distributed, rank 0 alone
+    in_lr_find = True
+
+    def __init__(
+        self, total: int, refresh: float = 0.25, bars: bool | None = None
+    ) -> None:
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ValueError(
+                f"total must be a positive int (the optimizer steps of the "
+                f"sweep); got {total!r}. Fix: e.g. SweepBar(total=100)."
+            )
+        self.total, self.bars = total, bars
+        self.refresh = _check_refresh(refresh, "SweepBar")
+        self.pb: Any = None  # the bar of the sweep in progress
+
+    def on_train_begin(self) -> None:
+        """Runs before training: opens the bar."""
+        if _draws_bars(self.bars):
+            self.pb = _fastprogress().progress_bar(range(self.total))
+        else:
+            self.pb = _NoBar(self.total)
+        self.pb.update_every = 0  # paced by `refresh` (see ProgressBar)
+        self._step, self._smooth, self._last_draw = 0, None, -math.inf
+        self.pb.update(0)
+
+    def on_batch_end(
+        self, train: bool, step: int, smooth_loss: Any, stop_training: bool
+    ) -> None:
+        """Runs after each batch: moves the bar when time is up; closes it
+        after the sweep's last step."""
+        if not train or self.pb is None:
+            return
+        self._step, self._smooth = step, smooth_loss
+        now = time.perf_counter()
+        if stop_training or step >= self.total:
+            self._close(now)
+        elif now - self._last_draw >= self.refresh:
+            self._draw(now)
+
+    def on_train_end(self, exception: BaseException | None) -> None:
+        """Runs at the end, also after an error: closes the bar if open."""
+        if self.pb is None:
+            return
+        if exception is None:
+            self._close(time.perf_counter())
+        else:  # no tensor read here: the device may be broken
+            self.pb.on_interrupt()
+            self._end(self.pb)
+
+    def _draw(self, now: float) -> None:
+        self._last_draw = now
+        if self._smooth is not None:
+            self.pb.comment = _loss_comment(self._smooth)
+        self.pb.update(self._step)
+
+    def _close(self, now: float) -> None:
+        self._draw(now)  # the last state, read once
+        if self._step < self.total:  # stopped early: fastprogress would wait
+            self.pb.on_iter_end()
+        self._end(self.pb)
+
+    def _end(self, pb: Any) -> None:
+        self.pb = None
+        if isinstance(pb, _fastprogress().ConsoleProgressBar):
+            print(flush=True)  # the bar stays; what follows starts a new line
+
+
+def _check_refresh(refresh: Any, owner: str) -> float:
+    number = isinstance(refresh, (int, float)) and not isinstance(refresh, bool)
+    if not (number and refresh >= 0):
+        raise ValueError(
+            f"refresh must be a number of seconds >= 0; got {refresh!r}. "
+            f"Fix: e.g. {owner}(refresh=0.25)."
+        )
+    return float(refresh)
+
+
+def _loss_comment(smooth: torch.Tensor) -> str:
+    return f"smooth loss {float(smooth):.4f}"  # the read: one host-device sync
+
+
+def _draws_bars(bars: bool | None) -> bool:
+    """``bars``, or when None: whether stdout is a notebook or a terminal."""
     if bars is None:
-        bars = fp.IN_NOTEBOOK or sys.stdout.isatty()
-    if bars:
-        return fp.master_bar(range(n_epochs))
+        fp = _fastprogress()
+        return bool(fp.IN_NOTEBOOK or sys.stdout.isatty())
+    return bool(bars)
+
+
+def _master_bar(n_epochs: int, bars: bool | None) -> Any:
+    if _draws_bars(bars):
+        return _fastprogress().master_bar(range(n_epochs))
     return _TableOnly()
 
 

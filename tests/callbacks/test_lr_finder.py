@@ -1,6 +1,7 @@
 import copy
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -11,8 +12,12 @@ from torch.nn import functional as F  # noqa: N812
 from fitlib import Callback, HPOptimizer, Learner
 from fitlib.callback import call_hook
 from fitlib.callbacks import GradientAccumulation, LRFinder
-from fitlib.callbacks.lr_finder import suggest_lrs
+from fitlib.callbacks.lr_finder import SuggestedLRs, suggest_lrs, sweep_problems
 from fitlib.metrics import accuracy
+
+# Most sweeps here are toys, too short to trust: their lr_find warnings are
+# expected. The tests of those warnings record them (pytest.warns sees them).
+pytestmark = pytest.mark.filterwarnings("ignore:lr_find:UserWarning")
 
 
 def learner(tmp_path, n_train=100, **kwargs):
@@ -109,16 +114,132 @@ def test_without_stop_div_the_whole_sweep_is_kept():
     assert len(finder.losses) == 4 and math.isnan(finder.losses[-1])
 
 
-def test_suggestions_are_the_steepest_descent_and_the_minimum_over_ten():
-    lrs = [10 ** (i / 4 - 6) for i in range(25)]
-    losses = [2.0] * 8 + [2.0 - 0.05 * i for i in range(1, 9)]
-    losses += [1.6 - 0.3 * i for i in range(1, 4)] + [0.7, 0.6, 1.5, 9.0][:4]
-    losses = losses[:25]
-    lowest = losses.index(min(losses))
-    steep = suggest_lrs(lrs, losses)
-    assert steep.min_div10 == pytest.approx(lrs[lowest] / 10)
-    assert 16 <= lrs.index(steep.steepest) <= 19  # in the steep stretch
-    assert steep.steepest < lrs[lowest]
+# -- suggestions on scripted curves ------------------------------------------------
+LRS = [10 ** (i / 5 - 6) for i in range(40)]  # 1e-6 to 10**1.8, 5 a decade
+NOISY_FLAT = [2.30, 2.34, 2.27, 2.31, 2.29, 2.33, 2.28, 2.30, 2.32, 2.29]
+NOISY_FLAT += [2.31, 2.28, 2.30, 2.33, 2.29, 2.31, 2.30, 2.29, 2.31, 2.30]  # 0-19
+VALLEY = [2.25, 2.15, 2.0, 1.8, 1.6, 1.45, 1.3, 1.2, 1.15, 1.12]  # 20-29
+# Diverges at 34 (5.0 > 4 * 1.12); the lower losses after it must not count.
+SPIKE = [1.13, 1.25, 1.6, 2.5, 5.0, 3.0, 1.0, 0.8, 0.7, 0.6]
+
+
+def test_the_valley_skips_the_noisy_start_and_ends_at_the_minimum_before_divergence():
+    suggestions = suggest_lrs(LRS, NOISY_FLAT + VALLEY + SPIKE)
+    # Start level 2.30 (median of the first tenth: 2.30, 2.34, 2.27), minimum
+    # 1.12 at 29: the flat start ends at 20, the last loss above 2.30 - 0.118.
+    # The valley 20..29: its middle is 24; it falls fastest around 23
+    # (central differences: 1.6 - 2.0 over two steps).
+    assert suggestions == SuggestedLRs(LRS[24], LRS[23], LRS[29] / 10)
+    assert sweep_problems(LRS, NOISY_FLAT + VALLEY + SPIKE) == {}
+
+
+def test_a_nan_tail_is_a_divergence_like_a_spike():
+    losses = NOISY_FLAT + VALLEY + SPIKE[:4] + [math.nan] * 6
+    assert suggest_lrs(LRS, losses) == SuggestedLRs(LRS[24], LRS[23], LRS[29] / 10)
+    assert sweep_problems(LRS, losses) == {}  # it diverged: no end_edge
+
+
+def test_a_loss_that_never_falls_by_one_percent_is_a_no_fall():
+    flat = [2.300, 2.304, 2.297, 2.301, 2.299, 2.303, 2.298, 2.300, 2.302, 2.299]
+    losses = [*flat, *flat, 2.30, 2.29, 2.31, 2.30, 2.285, 2.29, 2.30, 2.31, 2.32]
+    # Start level 2.302 (the first tenth: 2 points); lowest 2.285, 0.74% below.
+    problems = sweep_problems(LRS[:29], losses)
+    assert list(problems) == ["no_fall"]
+    assert problems["no_fall"].startswith("lr_find: the loss never fell")
+    assert "(2.285, at lr 0.063)" in problems["no_fall"]
+    assert "num_it" in problems["no_fall"] and "labels" in problems["no_fall"]
+    assert all(isinstance(lr, float) for lr in suggest_lrs(LRS[:29], losses))
+    # 1.4% below its start: a fall, however small.
+    assert sweep_problems(LRS[:29], [*losses[:24], 2.27, *losses[25:]]) == {}
+
+
+def test_a_loss_still_falling_at_the_end_is_an_end_edge():
+    losses = [2.3] * 15 + [2.3 - 0.01 * (i - 14) ** 2 for i in range(15, 30)]
+    # Minimum at the last point (29); the flat start ends at 18, the last loss
+    # above 2.3 - 0.1 * 2.25; the fall is steepest at 28.
+    assert suggest_lrs(LRS[:30], losses) == SuggestedLRs(LRS[23], LRS[28], LRS[29] / 10)
+    problems = sweep_problems(LRS[:30], losses)
+    assert list(problems) == ["end_edge"]
+    assert "raise end_lr, e.g. end_lr=6e+01" in problems["end_edge"]  # 0.63 * 100
+
+
+def test_a_loss_falling_from_the_first_point_is_a_start_edge():
+    losses = [2.3 - 0.05 * i for i in range(20)] + [1.05, 1.3, 2.0, 3.0, 5.0]
+    losses += [math.nan] * 5  # diverges at 24: its first tenth is 2 points
+    # Start level 2.275; the loss leaves its band (2.1525) after 2, in the
+    # first fifth; minimum 1.05 at 20, steepest drop into it at 19.
+    assert suggest_lrs(LRS[:30], losses) == SuggestedLRs(LRS[11], LRS[19], LRS[20] / 10)
+    problems = sweep_problems(LRS[:30], losses)
+    assert list(problems) == ["start_edge"]
+    assert "lower start_lr, e.g. start_lr=1e-08" in problems["start_edge"]
+
+
+def test_suggest_lrs_refuses_a_sweep_without_a_finite_first_loss():
+    with pytest.raises(ValueError, match="finite first loss"):
+        suggest_lrs([1e-3, 1e-2], [math.nan, 1.0])
+
+
+# -- the finder's problems and warnings --------------------------------------------
+def test_the_finder_keeps_and_warns_about_a_loss_that_never_fell():
+    finder = LRFinder(1e-3, 1.0, num_it=10)
+    with pytest.warns(UserWarning, match=r"^lr_find: the loss never fell") as record:
+        sweep(finder, [2.3, 2.31, 2.29, 2.3, 2.3, 2.31, 2.3, 2.29, 2.3, 2.3])
+    assert len(record) == 1 and list(finder.problems) == ["no_fall"]
+    assert finder.suggestions is not None
+
+
+def test_the_finder_warns_when_the_loss_still_falls_at_end_lr():
+    finder = LRFinder(1e-3, 1.0, num_it=10, check_every=0.0)
+    with pytest.warns(UserWarning, match=r"^lr_find: the loss still falls"):
+        sweep(finder, [2.3, 2.3, 2.3, 2.3, 2.25, 2.0, 1.7, 1.4, 1.1, 0.8])
+    assert list(finder.problems) == ["end_edge"]
+
+
+def test_a_sweep_that_diverged_is_no_end_edge_though_its_record_ends_low():
+    finder = LRFinder(1e-3, 1.0, num_it=10, check_every=0.0)
+    losses = [2.3, 2.3, 2.3, 2.3, 2.25, 2.0, 1.7, 1.4, 9.0, 9.0]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert sweep(finder, losses) == 8  # stopped at the divergence
+    assert finder.losses[-1] == min(finder.losses)  # the record ends at its low
+    assert finder.problems == {} and record == []  # but the sweep diverged
+
+
+def test_the_finder_does_not_warn_after_an_error_but_keeps_the_problems():
+    finder = LRFinder(1e-3, 1.0, num_it=10)
+    model = nn.Linear(2, 1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    call_hook(finder, "on_train_begin", model=model, opt=opt)
+    for loss in [2.3, 2.3, 2.31]:
+        call_hook(finder, "on_step_end", skip_step=False)
+        call_hook(
+            finder, "on_batch_end", train=True, opt=opt, smooth_loss=torch.tensor(loss)
+        )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call_hook(
+            finder, "on_train_end", model=model, opt=opt, exception=KeyboardInterrupt()
+        )
+    assert record == [] and list(finder.problems) == ["no_fall"]
+
+
+def test_lr_find_warns_but_still_suggests_when_nothing_can_train(tmp_path):
+    learn = Learner(
+        make_data(),
+        make_model(),
+        lambda out, y: F.cross_entropy(out * 0, y),  # no gradient: a flat loss
+        metrics=[],
+        path=tmp_path,
+        progress=False,
+    )
+    with pytest.warns(UserWarning, match=r"^lr_find: the loss never fell"):
+        suggestions = learn.lr_find(num_it=20)
+    assert all(isinstance(lr, float) and lr > 0 for lr in suggestions)
+    assert set(learn.recorder.lr_find_result["suggestions"]) == {
+        "valley",
+        "steepest",
+        "min_div10",
+    }
 
 
 def test_lr_find_leaves_model_optimizer_callbacks_and_rng_as_before(tmp_path):
@@ -332,3 +453,11 @@ def test_checkpoints_and_loggers_sit_out_the_sweep(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files
     assert not (tmp_path / "log.csv").exists()
     assert all(map(torch.equal, weights, learn.model.parameters()))
+
+
+def test_a_negative_loss_diverges_only_when_it_rises_by_3_times_its_size():
+    from fitlib.callbacks.lr_finder import _divergence
+
+    assert _divergence([-1.0, -1.1, -1.5, -1.4, -2.0]) == 5  # falling: no divergence
+    assert _divergence([-1.0, -2.0, 3.0, 5.0]) == 3  # above -2 + 3 * 2 = 4
+    assert _divergence([2.0, 1.0, 3.9, 4.1]) == 3  # 4x the best, as before
