@@ -101,6 +101,7 @@ skip_validate       ``on_epoch_begin`` and the batch events
 
 from __future__ import annotations
 
+import difflib
 import signal
 import sys
 import threading
@@ -325,6 +326,7 @@ def _check_callbacks(callbacks: Iterable[Any] | Callback) -> list[Callback]:
         )
     callbacks = list(callbacks)
     for cb in callbacks:
+        _check_hook_names(cb)
         if isinstance(cb, type) and issubclass(cb, Callback):
             raise TypeError(
                 f"callbacks: got the class {cb.__name__}, not an instance. "
@@ -362,6 +364,23 @@ class LossSmoother:
             self.avg += (1 - SMOOTH_BETA) * (loss - self.avg)
             out.append(self.avg / (1 - SMOOTH_BETA**self.n))
         return out
+
+
+def _check_hook_names(cb: Any) -> None:
+    """Refuses a method named like a hook that no event calls (a typo such as
+    ``on_epoch_ends`` would otherwise never run, silently)."""
+    cls = cb if isinstance(cb, type) else type(cb)
+    if not issubclass(cls, Callback):
+        return
+    stray = [n for n in dir(cls) if n.startswith("on_") and n not in EVENTS]
+    for name in stray:
+        close = difflib.get_close_matches(name, EVENTS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise TypeError(
+            f"callback {cls.__name__} defines {name}, which no event calls, so it "
+            f"would never run: {hint}The events are {', '.join(EVENTS)}. Fix: "
+            "rename it (a helper method: a name without the on_ prefix)."
+        )
 
 
 def _not_writable(cb: Callback, event: str, key: str | None) -> str:

@@ -157,11 +157,42 @@ def check_loader(dl: Any, name: str) -> None:
         )
 
 
-REITERABLE = (
-    "pass an object that makes a new iterator each epoch, e.g. "
-    "class Batches: def __iter__(self): return ((b['x'], b['y']) for b in dl); "
-    "def __len__(self): return len(dl)  -- then DataBunch(Batches(), ...)."
-)
+REITERABLE = """pass an object that makes a new iterator each epoch:
+
+    class Batches:
+        def __iter__(self):
+            return make_batches()  # your generator function, called anew
+        def __len__(self):
+            return n_batches  # (optional: a length gives bars and schedules)
+
+    data = DataBunch(Batches(), valid_dl)"""
+
+
+def regroup_fix(batch: Any) -> str:
+    """A wrapper that turns batches like ``batch`` into ``(x, y)`` pairs, as
+    code to copy (a class: a generator would last one epoch only)."""
+    if isinstance(batch, dict) and len(batch) >= 2:
+        keys = [f"b[{k!r}]" for k in batch]
+        ys = keys[1] if len(keys) == 2 else f"({', '.join(keys[1:])})"
+        pair, note = f"({keys[0]}, {ys})", f"  # if {keys[0]} holds the inputs"
+    elif isinstance(batch, (tuple, list)) and len(batch) > 2:
+        pair, note = "(b[0], tuple(b[1:]))", "  # targets: loss_func(out, *y)"
+    else:
+        return (
+            "make the dataset return (x, y) pairs (x: inputs, y: targets, "
+            "either a tuple of tensors)."
+        )
+    return f"""wrap the loader so that each batch becomes (x, y):
+
+    class XY:
+        def __init__(self, dl):
+            self.dl = dl
+        def __iter__(self):
+            return ({pair} for b in self.dl){note}
+        def __len__(self):
+            return len(self.dl)
+
+    data = DataBunch(XY(train_dl), XY(valid_dl))"""
 
 
 def _one_shot(dl: Any) -> bool:

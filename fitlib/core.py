@@ -17,7 +17,6 @@ from torch import nn
 
 from fitlib.callback import Callback, CallbackHandler
 from fitlib.checks import (
-    REITERABLE,
     check_data,
     check_fit_args,
     check_loader,
@@ -27,6 +26,7 @@ from fitlib.checks import (
     len_or_none,
     loss_check,
     one_shot_note,
+    regroup_fix,
 )
 from fitlib.errors import describe, name_of, reraise
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
@@ -347,9 +347,7 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
             raise TypeError(
                 f"{name} yielded a batch of {describe(batch)}; fitlib needs each "
                 "batch to be an (x, y) pair (x: inputs, y: targets; either may be "
-                "a tuple of tensors). Fix: make the dataset return (x, y), or "
-                "wrap the loader (a generator would last one epoch only): "
-                f"{REITERABLE}"
+                f"a tuple of tensors). Fix: {regroup_fix(batch)}"
             )
         yield to_device(batch[0], device), to_device(batch[1], device)
         n += 1

@@ -435,6 +435,14 @@ def _scale_key(name: str) -> str:
 
 def check_opt_func(opt_func: Any) -> None:
     """A TypeError unless ``opt_func`` can make an optimizer (a class, a partial)."""
+    if isinstance(opt_func, torch.optim.Optimizer):
+        raise TypeError(
+            f"opt_func must be the optimizer's class; got an instance of "
+            f"{type(opt_func).__name__}: fitlib makes the optimizer itself, over "
+            f"the model's layer groups. Fix: opt_func=torch.optim."
+            f"{type(opt_func).__name__} (with settings: functools.partial("
+            f"torch.optim.{type(opt_func).__name__}, ...))."
+        )
     if isinstance(opt_func, str) or not callable(opt_func):
         raise TypeError(
             f"opt_func must be a torch optimizer class (or a function that makes "

@@ -689,3 +689,12 @@ def test_two_callbacks_that_schedule_the_same_hyper_parameter_are_refused():
     with pytest.raises(ValueError, match=r"both set 'mom' at every step"):
         run([every(ParamScheduler({"mom": cosine(0.9, 0.8)}), 2), one_cycle])
     run([OneCycleScheduler(0.1, moms=None), ParamScheduler({"mom": cosine(0.9, 0.8)})])
+
+
+def test_a_hook_name_no_event_calls_is_a_type_error_naming_the_close_one():
+    class Typo(Callback):
+        def on_epoch_ends(self, epoch):  # never called: a typo
+            pass
+
+    with pytest.raises(TypeError, match=r"on_epoch_ends, .*did you mean on_epoch_end"):
+        run([Typo()])

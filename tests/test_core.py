@@ -584,14 +584,45 @@ def test_a_one_shot_iterator_is_refused_for_several_epochs_and_explained():
     with pytest.raises(ValueError, match=r"iterator \(generator\).*only once"):
         _fit(epochs=2, data=DataBunch(b for b in batches))
     _fit(epochs=1, data=DataBunch(b for b in batches))  # one pass is fine
-    with pytest.raises(ValueError, match=r"can be iterated only once.*__iter__"):
+    with pytest.raises(ValueError, match=r"(?s)can be iterated only once.*__iter__"):
         _fit(epochs=None, max_steps=100, data=DataBunch(b for b in batches))
+    with pytest.raises(ValueError) as info:
+        _fit(epochs=2, data=DataBunch(b for b in batches))
+    namespace = {
+        "DataBunch": DataBunch,
+        "make_batches": lambda: (b for b in batches),
+        "n_batches": len(batches),
+        "valid_dl": None,
+    }
+    exec(advised_code(info.value), namespace)  # the advice, as written
+    rec = Recorder()
+    _fit(epochs=2, data=namespace["data"], callbacks=[rec])
+    assert len(rec.losses) == 2 * len(batches)
 
 
-def test_the_dict_batch_message_shows_a_wrapper_that_lasts_several_epochs():
-    dicts = [{"x": torch.zeros(2, 8), "y": torch.zeros(2).long()}]
-    with pytest.raises(TypeError, match=r"a generator would last one epoch only.*"):
-        _fit(data=DataBunch(dicts))
+def advised_code(error):
+    """The code block of an error's fix (its lines indented by 4)."""
+    lines = str(error).split("\n")
+    return "\n".join(line[4:] for line in lines if line.startswith("    "))
+
+
+@pytest.mark.parametrize("kind", ["dict", "triple"])
+def test_the_fix_for_a_batch_that_is_no_pair_is_code_that_works(kind):
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    batch = {"image": x, "label": y} if kind == "dict" else (x, y, y.float())
+    train_dl = valid_dl = [batch] * 2
+    with pytest.raises(TypeError, match=r"an \(x, y\) pair") as info:
+        _fit(data=DataBunch(train_dl))
+    code = advised_code(info.value)
+    namespace = {"DataBunch": DataBunch, "train_dl": train_dl, "valid_dl": valid_dl}
+    exec(code, namespace)  # the advice, as written
+
+    def loss(out, y, *more):
+        return F.cross_entropy(out, y)
+
+    rec = Recorder()
+    _fit(epochs=2, data=namespace["data"], loss_func=loss, callbacks=[rec])
+    assert len(rec.losses) == 4  # two epochs: the wrapper lasts
 
 
 def test_a_loss_returning_a_tuple_is_told_to_return_one_total():

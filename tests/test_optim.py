@@ -274,3 +274,9 @@ def test_numpy_numbers_arrays_and_0_dim_tensors_are_numbers_too():
     assert opt.lr == [1e-4, 1e-3]
     opt.mom, opt.wd = np.float32(0.5), torch.tensor(0.01)
     assert opt.mom == 0.5 and opt.wd == pytest.approx(0.01)
+
+
+def test_an_optimizer_instance_for_opt_func_says_to_pass_the_class():
+    opt = torch.optim.AdamW(params().parameters())
+    with pytest.raises(TypeError, match=r"got an instance of AdamW.*optim\.AdamW \("):
+        HPOptimizer(params().parameters(), opt, lr=0.1)

@@ -259,7 +259,8 @@ def sweep_problems(lrs: list[float], losses: list[float]) -> dict[str, str]:
             f"lr_find: the loss already falls near the start of the sweep (its "
             f"valley begins at lr {lrs[c.first]:.2g}, in the first fifth), so the "
             f"suggestions may be too high. Fix: lower start_lr, e.g. "
-            f"start_lr={lr0 / 100:.0e}."
+            f"start_lr={lr0 / 100:.0e}; on a model trained already, the curve "
+            "is mostly noise: run lr_find before fitting."
         )
     rose = c.losses[-1] - low > FLAT * (c.start - low)  # it stopped falling
     if not (c.diverged or rose) and c.low >= n - max(2, n // 20):

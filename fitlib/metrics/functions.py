@@ -98,19 +98,35 @@ def mae(out: Tensor, y: Tensor) -> Tensor:
 
 
 def check_class_targets(name: str, output: Tensor, *targets: Tensor) -> None:
-    """Refuses targets that are no class labels: floats with a fractional part
-    (a regression's) would score 0 or NaN. Reads one value from the device."""
+    """Refuses targets that are no class labels of the output: floats with a
+    fractional part (a regression's) or labels outside the classes it scores
+    would score 0 or NaN. Reads one value from the device."""
     y = targets[0] if targets else None
-    if not isinstance(y, Tensor) or not y.is_floating_point():
+    if not isinstance(y, Tensor) or not isinstance(output, Tensor) or not y.numel():
         return
-    fractional = y != y.round()
-    if fractional.any():
-        example = y[fractional][0].item()
+    fix = (
+        f"Fix: take {name} out of the metrics and use mse, mae, RMSE() or "
+        "R2Score() for a regression; for classification, give class indices "
+        "(or 0/1 labels for one logit column)."
+    )
+    if y.is_floating_point():
+        fractional = y != y.round()
+        if fractional.any():
+            example = y[fractional][0].item()
+            raise ValueError(
+                f"{name} scores class predictions, but the targets are not class "
+                f"labels: floats such as {example:g} (a regression?). {fix}"
+            )
+    n = 2 if output.ndim < 2 or output.shape[-1] == 1 else output.shape[-1]
+    outside = (y < 0) | (y >= n)
+    if outside.any():
+        example = y[outside][0].item()
+        what = "one logit column: classes 0 and 1" if n == 2 else f"{n} classes"
         raise ValueError(
-            f"{name} scores class predictions, but the targets are not class "
-            f"labels: floats such as {example:g} (a regression?). Fix: take "
-            f"{name} out of the metrics and use mse, mae, RMSE() or R2Score(); "
-            "for classification, give class indices (or 0/1 labels)."
+            f"{name} scores class predictions over the output's last dimension "
+            f"({what}), but the targets hold {example:g}, outside it (a "
+            f"regression? classes in another dimension? padding such as -100, "
+            f"which {name} does not mask?). {fix}"
         )
 
 

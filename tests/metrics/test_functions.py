@@ -93,3 +93,19 @@ def test_class_metrics_take_float_labels_that_are_whole_numbers():
     ms.check(out, (y,))  # 0/1 labels as floats (BCE): fine
     ms.update(out, (y,))
     assert ms.compute()[0].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    "out, y, shown",
+    [
+        (torch.randn(4, 1), torch.tensor([151.0, 75, 141, 206]), "151"),  # regression
+        (torch.randn(4, 3), torch.tensor([0, 1, 2, 3]), "3"),  # a 4th class
+        (torch.randn(4, 3), torch.tensor([0, -100, 2, 1]), "-100"),  # padding
+    ],
+)
+def test_class_metrics_refuse_labels_the_output_cannot_score(out, y, shown):
+    from fitlib.metrics import F1Score
+
+    for metric in (accuracy, F1Score()):
+        with pytest.raises(ValueError, match=rf"targets hold {shown}, outside it"):
+            Metrics([metric]).check(out, (y,))
