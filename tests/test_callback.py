@@ -306,6 +306,19 @@ def test_skip_validate_skips_validation_and_last_metrics_is_none():
 
 
 # -- Ctrl-C ------------------------------------------------------------------------
+@pytest.fixture
+def sigint_default():
+    """Python's own Ctrl-C handler, as in a terminal or a notebook.
+
+    A shell starts background jobs with SIGINT ignored, and fitlib rightly
+    leaves an ignored signal alone; these tests are about the usual case.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_default")
 def test_ctrl_c_stops_after_the_batch_in_progress_with_a_whole_step():
     """SIGINT between backward and step: the step still happens, then it stops."""
     ended = []
@@ -491,6 +504,7 @@ def test_every_on_train_end_runs_even_when_one_fails():
     assert isinstance(ran[-1], RuntimeError)
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_ctrl_c_after_the_last_batch_still_raises():
     ended = []
 
@@ -504,6 +518,23 @@ def test_ctrl_c_after_the_last_batch_still_raises():
     with pytest.raises(KeyboardInterrupt):
         run([LateCtrlC()], epochs=1)
     assert isinstance(ended[0], KeyboardInterrupt)
+
+
+def test_an_ignored_ctrl_c_stays_ignored():
+    """Under nohup or as a background job SIGINT is ignored: fit keeps it so."""
+    seen = []
+
+    class Watch(Callback):
+        def on_batch_end(self, **kwargs):
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        run([Watch()], epochs=1)
+        assert set(seen) == {signal.SIG_IGN}
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_hook_without_kwargs_receives_only_the_keys_it_names():
