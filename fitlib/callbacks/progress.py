@@ -80,7 +80,8 @@ class ProgressBar(Callback):
             self.mb.update(epoch)
         self._mb_open = epoch < n_epochs
         self._last_draw, self._comment = -math.inf, ""
-        self._write(["epoch", "train_loss", "valid_loss", *self._names, "time"])
+        if self._mb_open:  # a finished run resumed has no table to head
+            self._write(["epoch", "train_loss", "valid_loss", *self._names, "time"])
 
     def on_epoch_begin(self) -> None:
         """Runs at the start of each epoch: starts its clock and loss sums."""

@@ -16,7 +16,12 @@ from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
 from fitlib import Callback, DataBunch, Learner
-from fitlib.callbacks import Checkpoint, GradientAccumulation, MixedPrecision
+from fitlib.callbacks import (
+    Checkpoint,
+    GradientAccumulation,
+    MixedPrecision,
+    ProgressBar,
+)
 from fitlib.metrics import accuracy
 from fitlib.serialization import atomic_save, safe_load
 
@@ -181,6 +186,13 @@ def test_a_finished_run_says_so_and_trains_nothing(tmp_path, capsys):
     again.fit(2, lr=0.05)
     assert "already finished (epoch 2" in capsys.readouterr().out
     assert same_run(learn, again)
+
+
+def test_a_finished_run_prints_no_empty_table(tmp_path):
+    learner([Checkpoint(tmp_path)]).fit(2, lr=0.05)
+    bar = ProgressBar()
+    learner([Checkpoint(tmp_path), bar]).fit(2, lr=0.05)
+    assert bar.rows == []  # no header over no rows
 
 
 def test_the_best_checkpoint_is_kept_apart(tmp_path):
