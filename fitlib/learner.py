@@ -122,7 +122,7 @@ class Learner(TrainingShortcuts):
         self.opt_func = opt_func or _default("opt_func", torch.optim.AdamW)
         check_opt_func(self.opt_func)
         self.wd = _default("wd", 1e-2) if wd is None else wd
-        check_hyper("wd", [self.wd], wd)
+        check_hyper("wd", [self.wd], wd, fix="Learner(..., wd=1e-2)")
         self.true_wd = true_wd
         self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
         self.layer_groups = _split_groups(model, layer_groups)

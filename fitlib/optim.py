@@ -397,13 +397,16 @@ def lr_per_group(lr: float | slice | Sequence[float], n: int) -> list[float]:
     return [lr.start * ratio**i for i in range(n)]
 
 
-def check_hyper(name: str, values: Sequence[Any], given: Any = None) -> None:
+def check_hyper(
+    name: str, values: Sequence[Any], given: Any = None, fix: str | None = None
+) -> None:
     """Refuses values torch would refuse (or misread) for hyper-parameter ``name``:
     not a number (TypeError); ``lr``, ``wd`` below 0 or infinite, ``mom``,
-    ``beta`` outside [0, 1) (ValueError). A factor must be a finite number >= 0."""
+    ``beta`` outside [0, 1) (ValueError). A factor must be a finite number >= 0.
+    ``fix`` is the example the message gives (default: the optimizer's setter)."""
     given = values if given is None else given
     base = name.split()[0]
-    example = f"opt.{base} = {_FIX.get(base, '0.5')}"
+    example = fix or f"opt.{base} = {_FIX.get(base, '0.5')}"
     if " " in name:  # a factor of scale()
         example = f"opt.scale({base!r}, 0.5)"
     if not all(_is_number(v) for v in values):

@@ -351,7 +351,10 @@ def test_the_defaults_the_learner_picks_are_said_once_each(capsys, tmp_path):
 def test_bad_learner_arguments_are_refused_naming_them(tmp_path):
     with pytest.raises(TypeError, match=r"opt_func must be a torch optimizer .*'adam'"):
         learner(tmp_path, opt_func="adam")
-    with pytest.raises(TypeError, match=r"wd must be a number.*got '0\.01' \(str\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"wd must be a number.*got '0\.01' \(str\)\. Fix: .*Learner\(\.\.\., wd=",
+    ):
         learner(tmp_path, wd="0.01")
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
