@@ -15,6 +15,8 @@ opt                 the optimizer (an ``HPOptimizer`` when ``fit`` drives it)
 data                the data object (``train_dl``, ``valid_dl``)
 loss_func           the loss function, called as ``loss_func(out, *targets)``
 metrics             the ``fitlib.metrics.Metrics`` of the run (``.names``)
+train_metrics       the ``Metrics`` computed over the training batches, each
+                    reported in the record as ``train_<name>``
 callbacks           the fit's callbacks, sorted by ``order`` (read only: a
                     checkpoint saves and restores their ``state_dict``)
 n_epochs            the number of epochs ``fit`` was asked for (None: as
@@ -49,8 +51,28 @@ smooth_loss         debiased exponential moving average of the training loss
                     kept only when a callback's hook receives it (names it or
                     takes ``**kwargs``), else None: it costs a device op per
                     batch (``LossSmoother`` averages floats the same way)
+last_loss_parts     the named parts of the current batch's loss, detached,
+                    when ``loss_func`` returns a dict (``{"loss": total,
+                    "ce": ..., "box": ...}``; ``last_loss`` is its ``"loss"``),
+                    else None
 last_metrics        ``[valid_loss, *metric values]`` as device tensors after
                     validation, ``None`` when validation was skipped
+record              at ``on_epoch_end``, the epoch's record: a dict of python
+                    numbers, ``epoch``, ``train_loss``, ``valid_loss``, each
+                    metric by name, ``train_<metric>``, the loss parts
+                    (``train_<part>``, ``valid_<part>``), the values callbacks
+                    added, ``lr`` (of the last parameter group, as the epoch's
+                    last step used it) and ``time`` (the epoch's seconds), in
+                    that order; None where a value was not computed (e.g.
+                    validation skipped). Read in one host transfer. A callback
+                    adds values by returning ``{"record": {"name": value}}``
+                    from ``on_epoch_end`` (a number or one-element tensor; the
+                    name declared in its ``record_names``, and new): later
+                    callbacks (higher ``order``: monitors, the Recorder,
+                    loggers, the bar) see them. It stays the last epoch's
+                    record until the next epoch ends
+tally               the ``fitlib.record.EpochTally`` behind the record: the
+                    epoch's running sums (read only; ``Checkpoint`` saves it)
 stop_epoch          set True to end the current loader after this batch: the
                     epoch's training, or its validation
 stop_training       set True to end training: after this training batch (the
@@ -86,6 +108,7 @@ last_output         ``on_loss_begin`` (what the loss and metrics get) and
 last_loss           ``on_backward_begin`` (what ``backward()`` uses) and
                     ``on_batch_end`` (what later callbacks record)
 last_metrics        ``on_epoch_end``, with as many values as it had
+record              ``on_epoch_end``: values to add (merged, never replaced)
 stop_epoch          the batch events
 stop_training,      any event but ``on_train_end``
 max_steps
@@ -95,8 +118,9 @@ skip_zero           ``on_batch_begin`` to ``on_step_end``
 skip_validate       ``on_epoch_begin`` and the batch events
 ==================  ==========================================================
 
-``opt``, ``loss_func``, ``metrics``, ``callbacks``, ``n_epochs``, ``train`` and
-``smooth_loss`` are read only; ``on_train_end`` returns nothing.
+``opt``, ``loss_func``, ``metrics``, ``train_metrics``, ``callbacks``,
+``n_epochs``, ``train``, ``smooth_loss``, ``last_loss_parts`` and ``tally`` are
+read only; ``on_train_end`` returns nothing.
 """
 
 from __future__ import annotations
@@ -114,6 +138,7 @@ import torch
 from fitlib.dispatch import hook_caller, receives
 from fitlib.distributed import is_main
 from fitlib.errors import add_note
+from fitlib.record import EpochTally, Record, batch_size, check_added, step_lr
 
 EVENTS = (
     "on_train_begin",
@@ -134,6 +159,7 @@ STATE_KEYS = (
     "data",
     "loss_func",
     "metrics",
+    "train_metrics",
     "callbacks",
     "n_epochs",
     "max_steps",
@@ -148,7 +174,10 @@ STATE_KEYS = (
     "last_output",
     "last_loss",
     "smooth_loss",
+    "last_loss_parts",
     "last_metrics",
+    "record",
+    "tally",
     "stop_epoch",
     "stop_training",
     "skip_bwd",
@@ -178,6 +207,7 @@ WRITABLE: dict[str, tuple[str, ...]] = {
     "last_output": ("on_loss_begin", "on_batch_end"),
     "last_loss": ("on_backward_begin", "on_batch_end"),
     "last_metrics": ("on_epoch_end",),  # the same number of values
+    "record": ("on_epoch_end",),  # values added to the epoch's record
     "stop_epoch": _BATCH_EVENTS,
     "stop_training": _FIT_EVENTS,
     "skip_bwd": EVENTS[2:5],  # up to on_backward_begin
@@ -214,6 +244,11 @@ class Callback:
     # later would silently overwrite the earlier. A callback that adjusts a
     # value instead (ReduceLROnPlateau) calls opt.scale and lists nothing.
     sets_hypers: tuple[str, ...] = ()
+    # The names of the values this callback adds to the epoch record (by
+    # returning {"record": {...}} from on_epoch_end): declared, so that
+    # monitors can check a name before training, and a typo cannot add a
+    # column silently.
+    record_names: tuple[str, ...] = ()
     # Side effects only (bars, logs, files): under torch.distributed only the
     # process of rank 0 runs it; the others leave it out.
     main_only: bool = False
@@ -463,6 +498,9 @@ class CallbackHandler:
         self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
         self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=False)
         self.state["callbacks"] = list(self.callbacks)
+        self.tally = self.state["tally"] = EpochTally()
+        # The records of the epochs ended so far (``fit`` returns them).
+        self.history: list[Record] = []
         self.interrupted = False
         self._checked: set = set()  # the checks done (at a first batch)
         self._smooth_read = any(
@@ -483,7 +521,7 @@ class CallbackHandler:
     def __call__(self, event: str, **extra: Any) -> None:
         """Calls ``event`` on every callback that overrides it."""
         kwargs = {**self.state, **extra} if extra else self.state
-        for cb, hook in self._hooks[event]:
+        for cb, hook in self._hooks[event]:  # (_call, inlined: the hot path)
             try:
                 update = hook(kwargs)
             except Exception as e:
@@ -491,6 +529,15 @@ class CallbackHandler:
                 raise
             if update is not None:
                 self._apply(cb, event, update)
+
+    def _call(self, cb: Callback, event: str, hook: Hook, kwargs: dict) -> None:
+        try:
+            update = hook(kwargs)
+        except Exception as e:
+            add_note(e, f"fitlib: raised in callback {cb.name}.{event}")
+            raise
+        if update is not None:
+            self._apply(cb, event, update)
 
     def _apply(self, cb: Callback, event: str, update: Any) -> None:
         if not isinstance(update, dict):
@@ -509,7 +556,21 @@ class CallbackHandler:
                 raise ValueError(_not_writable(cb, event, key))
         if "last_metrics" in update:
             _check_same_length(cb, self.state["last_metrics"], update["last_metrics"])
+        if "record" in update:  # added to the record, not replacing it
+            update = dict(update)
+            self._add_to_record(cb, update.pop("record"))
         self.state.update(update)
+
+    def _add_to_record(self, cb: Callback, values: Any) -> None:
+        """Merges a callback's values into the record, before ``lr`` and
+        ``time`` (which stay last), in place: a callback that keeps the
+        record (a ``Checkpoint`` deciding on it later) sees them too."""
+        record = self.state["record"]
+        owner = f"{cb.name}.on_epoch_end"
+        added = check_added(owner, record, values, getattr(cb, "record_names", ()))
+        tail = {k: record.pop(k) for k in ("lr", "time") if k in record}
+        record.update(added)
+        record.update(tail)
 
     # The per-batch methods below assign keys one by one and skip events that no
     # callback overrides: this is the hot path, run six times per batch.
@@ -518,6 +579,7 @@ class CallbackHandler:
     ) -> None:
         self.state.update(state, n_epochs=n_epochs, max_steps=max_steps)
         self.state.update(stop_training=False, n_steps=max_steps)
+        self.tally = self.state["tally"] = EpochTally(self.state["train_metrics"])
         try:
             n_steps = n_epochs * len(self.state["data"].train_dl)
         except (AttributeError, TypeError):  # no data, no epochs, or no len
@@ -534,6 +596,8 @@ class CallbackHandler:
         self.state["train"] = True
         if not self.state["stop_training"]:
             self("on_epoch_begin")
+        if self.state["num_batch"] == 0:  # not an epoch resumed part way
+            self.tally.start()
         return self.state["stop_training"]
 
     def on_batch_begin(self, xb: Any, yb: Any, train: bool = True) -> tuple:
@@ -576,12 +640,18 @@ class CallbackHandler:
         state = self.state
         state["last_loss"] = loss
         train = state["train"]
+        parts = state["last_loss_parts"]
         if train:
             if self._smooth_read:
                 n = state["iteration"] + 1  # smoothed losses: also after a resume
                 state["smooth_loss"] = self._smooth(state["smooth_loss"], loss, n)
             # The output's graph would live until the next forward otherwise.
             state["last_output"] = _detached(state["last_output"])
+        if train or parts:
+            yb, xb = state["last_target"], state["last_input"]
+            self.tally.add_batch(
+                loss, batch_size(yb, xb), train, parts, state["last_output"], yb
+            )
         if self._hooks["on_batch_end"]:
             self("on_batch_end")
         if train:
@@ -608,11 +678,24 @@ class CallbackHandler:
         return torch.lerp(smooth, loss, weight)
 
     def on_epoch_end(self, val_metrics: list[torch.Tensor] | None) -> bool:
-        """Returns True when training must stop."""
-        self.state["last_metrics"] = val_metrics
-        self("on_epoch_end")
-        self.state["epoch"] += 1
-        return self.state["stop_training"]
+        """Builds the epoch's record (one host transfer), runs the hooks;
+        returns True when training must stop."""
+        state = self.state
+        state["last_metrics"] = val_metrics
+        names = getattr(state["metrics"], "names", None) or []
+        lr = step_lr(state["opt"])
+        record = self.tally.record(state["epoch"], val_metrics, names, lr)
+        state["record"] = record
+        for cb, hook in self._hooks["on_epoch_end"]:
+            self._call(cb, "on_epoch_end", hook, state)
+            # A declared value not added this epoch is None (not computed):
+            # every record of a fit has the same names, in the same order.
+            missing = {n: None for n in cb.record_names if n not in record}
+            if missing:
+                self._add_to_record(cb, missing)
+        self.history.append(state["record"])
+        state["epoch"] += 1
+        return state["stop_training"]
 
     def on_train_end(self, exception: BaseException | None) -> None:
         """Runs every callback's hook even if one fails, so all can clean up.

@@ -29,8 +29,9 @@ from fitlib.checks import (
     regroup_fix,
 )
 from fitlib.errors import describe, name_of, reraise
-from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
+from fitlib.metrics import Metrics, weighted_sum
 from fitlib.optim import HPOptimizer
+from fitlib.record import Record, batch_size, first_tensor, to_floats  # noqa: F401 (here before)
 
 LossFunc = Callable[..., torch.Tensor]
 
@@ -44,29 +45,54 @@ def fit(
     callbacks: Iterable[Callback] | None = None,
     metrics: list | None = None,
     max_steps: int | None = None,
-) -> None:
+    train_metrics: list | None = None,
+) -> list[Record]:
     """Trains ``model`` for ``epochs`` epochs, validating after each.
+
+    Returns the run's history: the record of each epoch (a dict: ``epoch``,
+    ``train_loss``, ``valid_loss``, each metric by name, ``train_<metric>``,
+    loss parts, values callbacks added, ``lr``, ``time``), as
+    ``state["record"]`` held it at the epoch's end.
 
     Args:
         epochs: number of epochs (a positive int), or None to train until
             ``max_steps``.
         model: the model; batches are moved to the device of its parameters.
-        loss_func: called as ``loss_func(output, *targets)``; returns a scalar.
+        loss_func: called as ``loss_func(output, *targets)``; returns a scalar,
+            or a dict with the scalar ``"loss"`` (what ``backward`` uses) and
+            named scalar parts, each averaged over the epoch in the record
+            (``train_<part>``, ``valid_<part>``).
         opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one).
         data: an object with ``train_dl`` and optionally ``valid_dl``.
         callbacks: ``Callback`` instances, run in ``order``.
         metrics: computed over the validation set each epoch.
         max_steps: stop after this many optimizer steps (across epochs; the
             epoch in progress still validates), or None.
+        train_metrics: computed over the training batches each epoch (in
+            train mode, as the model trains), reported as ``train_<name>``.
 
     Example:
         >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-        >>> fit(3, model, F.cross_entropy, opt, DataBunch(train_dl, valid_dl))
+        >>> history = fit(3, model, F.cross_entropy, opt, DataBunch(train_dl,
+        ...               valid_dl), metrics=[accuracy])
+        >>> history[-1]["accuracy"]
+        0.93
     """
+    history: list[Record] = []
     for _ in iter_fit(
-        epochs, model, loss_func, opt, data, callbacks, metrics, max_steps
+        epochs,
+        model,
+        loss_func,
+        opt,
+        data,
+        callbacks,
+        metrics,
+        max_steps,
+        train_metrics,
+        history=history,
     ):
         pass
+    return history
 
 
 def iter_fit(
@@ -78,6 +104,9 @@ def iter_fit(
     callbacks: Iterable[Callback] | None = None,
     metrics: list | None = None,
     max_steps: int | None = None,
+    train_metrics: list | None = None,
+    *,
+    history: list | None = None,
 ) -> Iterator[dict]:
     """The training loop, one batch at a time: ``fit`` drains it.
 
@@ -85,7 +114,8 @@ def iter_fit(
     it). Closing the generator ends training cleanly: ``on_train_end(None)``
     runs. A ``break`` out of a ``for`` closes it when nothing else refers to
     it; if you keep it in a variable, call its ``close()`` (until then the
-    Ctrl-C handler of the loop stays installed). Arguments as for ``fit``.
+    Ctrl-C handler of the loop stays installed). Arguments as for ``fit``;
+    ``history``, a list, receives each epoch's record as the epoch ends.
 
     Example:
         >>> for state in iter_fit(None, model, loss_func, opt, data, max_steps=50):
@@ -93,8 +123,12 @@ def iter_fit(
     """
     opt = _start(epochs, max_steps, model, loss_func, opt, data)
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
+    train_metrics = _as_metrics(train_metrics, "train_metrics")
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
+    state["train_metrics"] = train_metrics
     cb_handler = CallbackHandler(callbacks)
+    if history is not None:
+        cb_handler.history = history
     exception = None
     try:
         with cb_handler.deferred_interrupt():
@@ -130,6 +164,15 @@ def iter_fit(
             cb_handler.on_train_end(exception)
         finally:
             opt.reset_scales()  # the next fit's lr is what it is given
+
+
+def _as_metrics(metrics: Any, name: str) -> Metrics:
+    if isinstance(metrics, Metrics):
+        return metrics
+    try:
+        return Metrics(metrics)
+    except TypeError as e:
+        raise TypeError(str(e).replace("metrics", name, 1)) from None
 
 
 def _start(
@@ -175,9 +218,9 @@ def loss_batch(
     out = cb_handler.on_loss_begin(call_model(model, xb))
     if first:
         with loss_check(loss_func, out, as_tuple(yb)):
-            loss = _compute_loss(loss_func, out, yb)
+            loss = _compute_loss(loss_func, out, yb, cb_handler)
     else:
-        loss = _compute_loss(loss_func, out, yb)
+        loss = _compute_loss(loss_func, out, yb, cb_handler)
     if opt is not None:
         # A callback may change the loss for backward only (loss scaling,
         # accumulation): the loss returned and recorded stays loss_func's.
@@ -361,37 +404,6 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
         )
 
 
-def batch_size(yb: Any, xb: Any = None) -> int:
-    """The number of samples in a batch, read from the targets (or inputs)."""
-    for part in (yb, xb):
-        t = first_tensor(part)
-        if t is not None and t.ndim:
-            return t.shape[0]
-    return 1
-
-
-def first_tensor(x: Any) -> torch.Tensor | None:
-    """The first tensor in a tensor, tuple, list or dict (nested), or None."""
-    while isinstance(x, (tuple, list, dict)) and x:
-        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
-    return x if isinstance(x, torch.Tensor) else None
-
-
-def to_floats(scalars: list[torch.Tensor], extra: Iterable = ()) -> list[float]:
-    """0-dim tensors (one device), then ``extra``, as floats in one host transfer.
-
-    This is the one sync an epoch end needs: stack on the device, then copy.
-    """
-    groups = [list(scalars), [torch.as_tensor(v).reshape(()) for v in extra]]
-    groups = [g for g in groups if g]
-    if not groups:
-        return []
-    device = groups[0][0].device
-    dtype = accumulation_dtype(device)
-    # Stacking each group apart: one stack of mixed dtypes is 4x slower.
-    return torch.cat([torch.stack(g).to(device, dtype) for g in groups]).tolist()
-
-
 def weighted_mean(values: list[float], weights: list[int]) -> float:
     """The mean of ``values`` weighted by ``weights`` (NaN when they sum to 0)."""
     total = sum(weights)
@@ -416,15 +428,20 @@ def call_model(model: nn.Module, xb: Any) -> Any:
         explain_model_error(e, model, xb)
 
 
-def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
+def _compute_loss(
+    loss_func: LossFunc, out: Any, yb: Any, cb_handler: CallbackHandler
+) -> torch.Tensor:
     try:
         loss = loss_func(out, *as_tuple(yb))
     except Exception as e:
         reraise(e, _loss_mismatch(loss_func, out, yb), as_type=ValueError)
+    if isinstance(loss, dict):  # the total and its named parts
+        loss, cb_handler.state["last_loss_parts"] = _loss_parts(loss_func, loss)
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         fix = (
-            "return one total, e.g. the sum of the parts (loss_a + loss_b)"
-            if isinstance(loss, (tuple, list, dict))
+            "return one total, e.g. the sum of the parts (loss_a + loss_b), or "
+            'a dict {"loss": total, "a": loss_a, "b": loss_b} to see the parts'
+            if isinstance(loss, (tuple, list))
             else "reduce the loss, e.g. reduction='mean', or return loss.mean()"
         )
         raise ValueError(
@@ -432,6 +449,30 @@ def _compute_loss(loss_func: LossFunc, out: Any, yb: Any) -> torch.Tensor:
             f"needs a scalar (0-dim) tensor to call backward(). Fix: {fix}."
         )
     return loss
+
+
+def _loss_parts(loss_func: LossFunc, out: dict) -> tuple[Any, dict]:
+    """A loss's ``"loss"`` and its other entries, the parts, detached."""
+    if "loss" not in out:
+        raise ValueError(
+            f"loss_func {name_of(loss_func)} returned a dict with the keys "
+            f"{list(out)} but no 'loss'; fitlib calls backward() on "
+            "out['loss'] and reports the other entries as parts of it. Fix: "
+            'return {"loss": total, **parts}, e.g. {"loss": ce + box, "ce": '
+            'ce, "box": box}.'
+        )
+    parts = {}
+    for name, value in out.items():
+        if name == "loss":
+            continue
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ValueError(
+                f"loss_func {name_of(loss_func)} returned the part {name!r} = "
+                f"{describe(value)}; each part is one number (a scalar tensor), "
+                "averaged over the epoch. Fix: reduce it, e.g. part.mean()."
+            )
+        parts[str(name)] = value.detach().reshape(())
+    return out["loss"], parts
 
 
 def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -26,7 +27,6 @@ from fitlib.core import (
     iter_fit,
     model_device,
     to_device,
-    to_floats,
     validate,
 )
 from fitlib.distributed import barrier, is_main
@@ -77,6 +77,8 @@ class Learner(TrainingShortcuts):
         opt_func: the torch optimizer class.
         metrics: computed on the validation set each epoch; None picks a
             default from the loss (accuracy for cross-entropy), [] none.
+        train_metrics: computed on the training batches each epoch (as the
+            model trains: dropout on), reported as ``train_<name>``.
         callbacks: extra callbacks for every ``fit``.
         wd: weight decay.
         true_wd: decouple weight decay from the gradient (AdamW style).
@@ -107,6 +109,7 @@ class Learner(TrainingShortcuts):
         layer_groups: Sequence[Any] | None = None,
         train_bn: bool = True,
         progress: bool = True,
+        train_metrics: list | None = None,
     ) -> None:
         evaluation_only = getattr(data, "train_dl", 0) is None and (
             getattr(data, "valid_dl", None) is not None
@@ -119,6 +122,8 @@ class Learner(TrainingShortcuts):
         if getattr(data, "device", None) is not None:
             self.model.to(data.device)
         self.metrics = _default_metrics(self.loss_func) if metrics is None else metrics
+        self.train_metrics = [] if train_metrics is None else train_metrics
+        fm.Metrics(self.train_metrics)  # refused now, not at the first fit
         self.opt_func = opt_func or _default("opt_func", torch.optim.AdamW)
         check_opt_func(self.opt_func)
         self.wd = _default("wd", 1e-2) if wd is None else wd
@@ -147,7 +152,7 @@ class Learner(TrainingShortcuts):
         wd: float | None = None,
         callbacks: Iterable[Callback] | Callback | None = None,
         max_steps: int | None = None,
-    ) -> None:
+    ) -> list[dict]:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps, the
         first reached; ``epochs=None`` trains until ``max_steps``) at ``lr``.
 
@@ -155,9 +160,14 @@ class Learner(TrainingShortcuts):
         ``slice(lo, hi)`` spreads rates geometrically from the first group to
         the last, ``slice(hi)`` gives the last group ``hi`` and the others
         ``hi / 10``. None trains at 1e-3 and says so (``lr_find`` suggests one).
+
+        Returns this fit's history, one record per epoch (as ``fitlib.fit``);
+        ``learn.recorder.epoch_table()`` keeps those of every fit.
         """
-        for _ in self._iter_fit(epochs, lr, wd, callbacks, max_steps):
+        history: list[dict] = []
+        for _ in self._iter_fit(epochs, lr, wd, callbacks, max_steps, history):
             pass
+        return history
 
     def _iter_fit(
         self,
@@ -166,6 +176,7 @@ class Learner(TrainingShortcuts):
         wd: float | None,
         callbacks: Iterable[Callback] | Callback | None,
         max_steps: int | None,
+        history: list | None = None,
     ) -> Iterator[dict]:
         """The loop (``iter_fit``) over this Learner's model, data and callbacks."""
         self.create_opt(lr, wd)
@@ -178,6 +189,8 @@ class Learner(TrainingShortcuts):
             callbacks=self._callbacks(callbacks),
             metrics=self.metrics,
             max_steps=max_steps,
+            train_metrics=self.train_metrics,
+            history=history,
         )
 
     def create_opt(self, lr: LR | None, wd: float | None = None) -> HPOptimizer:
@@ -235,11 +248,15 @@ class Learner(TrainingShortcuts):
 
     # -- evaluation ------------------------------------------------------------
     def validate(self, dl: Iterable | None = None) -> dict[str, float]:
-        """Loss and metrics over ``dl`` (the validation set by default)."""
-        dl = self._loader(dl)
-        values = validate(self.model, dl, self.loss_func, metrics=self.metrics)
-        names = ["valid_loss", *fm.Metrics(self.metrics).names]
-        return dict(zip(names, to_floats(values)))
+        """Loss, metrics and loss parts (``valid_<part>``, for a loss that
+        returns a dict) over ``dl`` (the validation set by default), read in
+        one host transfer."""
+        dl, handler, metrics = self._loader(dl), CallbackHandler(), fm.Metrics(
+            self.metrics)  # fmt: skip
+        values = validate(self.model, dl, self.loss_func, handler, metrics)
+        record = handler.tally.record(0, values, metrics.names, math.nan)
+        loop_only = ("epoch", "train_loss", "lr", "time")
+        return {k: v for k, v in record.items() if k not in loop_only}
 
     def get_preds(
         self, dl: Iterable | None = None, activation: Callable | None = None

@@ -51,15 +51,21 @@ def per_step(ax: Any, steps: list[int], panels: dict[str, list], where: str) -> 
     return axes if len(axes) > 1 else axes[0]
 
 
-def per_epoch(ax: Any, epochs: list[int], panels: dict[str, list], where: str) -> Any:
-    """One panel per entry of ``panels``: its values per epoch, dots joined."""
+def per_epoch(
+    ax: Any, epochs: list[int], panels: dict[str, dict[str, list]], where: str
+) -> Any:
+    """One panel per entry of ``panels``, each a line per ``{label: values}``
+    (values per epoch, dots joined; a legend when a panel has several)."""
     axes = _panels(ax, list(panels), where)
     from matplotlib.ticker import MaxNLocator  # (_panels checked it is there)
 
-    for panel, (name, values) in zip(axes, panels.items(), strict=True):
-        panel.plot(epochs, values, "o-")
+    for panel, (name, lines) in zip(axes, panels.items(), strict=True):
+        for label, values in lines.items():
+            panel.plot(epochs, values, "o-", label=label)
         panel.set(xlabel="epoch", ylabel=name)
         panel.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs
+        if len(lines) > 1:
+            panel.legend()
     return axes if len(axes) > 1 else axes[0]
 
 

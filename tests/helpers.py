@@ -42,3 +42,18 @@ def make_data(
 
 def clone_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+def scripted_record(
+    losses=(), sizes=(), last_metrics=None, names=(), epoch=0, lr=0.1, seconds=None
+) -> dict:
+    """The epoch record the loop would build from these training losses (of
+    batches of ``sizes`` samples) and ``[valid_loss, *metrics]``: to drive an
+    ``on_epoch_end`` hook by hand."""
+    from fitlib.record import EpochTally
+
+    tally = EpochTally()
+    for loss, size in zip(losses, sizes, strict=True):
+        tally.add_batch(torch.tensor(float(loss)), size, True, None)
+    record = tally.record(epoch, last_metrics, list(names), lr)
+    return record if seconds is None else record | {"time": seconds}

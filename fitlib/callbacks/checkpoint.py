@@ -190,6 +190,8 @@ class Checkpoint(Callback):
         self._due = False
         self._fits = 0  # only the first fit of a process resumes
         self._lock = DirLock(self.dirpath)  # held by rank 0 during a fit
+        self._tally: Any = None  # the loop's EpochTally, during a fit
+        self._judge: tuple | None = None  # (record, position) to judge best on
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(
@@ -198,9 +200,11 @@ class Checkpoint(Callback):
         opt: Any,
         data: Any,
         metrics: Any,
+        train_metrics: Any,
         callbacks: list,
         n_epochs: int | None,
         max_steps: int | None,
+        tally: Any,
     ) -> dict | None:
         """Runs first: locks the directory; resumes from the newest checkpoint."""
         self._lock_directory()
@@ -211,9 +215,10 @@ class Checkpoint(Callback):
                 "every_n_epochs."
             )
         if self.monitor is not None:
-            self.monitor.start(metrics, data)
+            self.monitor.start(metrics, data, train_metrics, callbacks)
         # The same objects all fit long: kept for the saves.
         self._model, self._opt, self._loader = model, opt, data.train_dl
+        self._tally, self._judge = tally, None
         self._others = [cb for cb in callbacks if cb is not self]
         self._due, self._resume, self._epoch_rng = False, None, None
         self._rng_before_fetch: dict | None = None
@@ -234,6 +239,7 @@ class Checkpoint(Callback):
         self, epoch: int, iteration: int, step: int, data: Any
     ) -> dict | None:
         """Runs first in each epoch: saves at an epoch boundary, or resumes."""
+        self._keep_best()
         if self._resume is not None:
             return self._resume_epoch(data)
         every = self.every_n_epochs
@@ -267,14 +273,18 @@ class Checkpoint(Callback):
             self._due = True
 
     def on_epoch_end(
-        self, epoch: int, iteration: int, step: int, last_metrics: Any, data: Any
+        self, epoch: int, iteration: int, step: int, record: dict, data: Any
     ) -> dict | None:
-        """Runs after validation: keeps the best checkpoint; ends a resumed epoch."""
+        """Runs after validation: notes the record to judge; ends a resumed epoch.
+
+        The best checkpoint is judged once every callback's ``on_epoch_end``
+        ran (at the next epoch's start, or the end of training): the record
+        is then complete (later callbacks may add values to it) and every
+        callback's state is that of the epoch's end, as in a checkpoint saved
+        at that epoch boundary.
+        """
         if self.monitor is not None and self.save_best:
-            value = self.monitor.read(last_metrics)
-            if value is not None and self.monitor.update(value):
-                where = Position(epoch + 1, 0, iteration, step)
-                self._write(self.dirpath / "best.pth", where)
+            self._judge = (record, Position(epoch + 1, 0, iteration, step))
         original = getattr(data, "resumed_from", None)
         return {"data": original} if original is not None else None
 
@@ -283,6 +293,8 @@ class Checkpoint(Callback):
         one stopped cleanly between batches (a closed ``fit_iter``) gets a
         checkpoint to resume from. Then the directory is unlocked."""
         try:
+            if state["exception"] is None or self._ended(state["epoch"]):
+                self._keep_best()
             if getattr(self, "_model", None) is not None:
                 where = final_position(state)
                 if where is not None:
@@ -291,6 +303,21 @@ class Checkpoint(Callback):
         finally:
             self._model = self._opt = None  # no references kept between fits
             self._lock.release()
+
+    def _ended(self, epoch: int) -> bool:
+        """Whether the epoch to judge ran all its ``on_epoch_end`` hooks (the
+        handler counts the epoch after them)."""
+        return self._judge is not None and self._judge[1].epoch == epoch
+
+    def _keep_best(self) -> None:
+        """Writes ``best.pth`` if the epoch noted in ``on_epoch_end`` improved."""
+        judge, self._judge = self._judge, None
+        if judge is None or getattr(self, "_model", None) is None:
+            return
+        record, where = judge
+        value = self.monitor.read(record)
+        if value is not None and self.monitor.update(value):
+            self._write(self.dirpath / "best.pth", where)
 
     # -- the lock --------------------------------------------------------------
     def _lock_directory(self) -> None:
@@ -335,8 +362,11 @@ class Checkpoint(Callback):
         rng = self._rng_before_fetch if where.num_batch else get_rng_state(self._loader)
         rngs, epoch_rngs = fd.gather_to_all(rng), fd.gather_to_all(self._epoch_rng)
         states = [[cb.name, cb.state_dict()] for cb in self._others]
+        # Inside an epoch: its sums so far (the record's train loss, ...).
+        tally = self._tally.state_dict() if where.num_batch else None
         several = fd.world_size() > 1  # then host tensors only: they cross ranks
         states = fd.gather_to_all(host_copy(states) if several else states)
+        tallies = fd.gather_to_all(host_copy(tally) if several else tally)
         # A sharded model's and optimizer's whole state, gathered from every rank.
         model, opt = model_state(self._model), optimizer_state(self._opt, self._model)
         if not fd.is_main():
@@ -349,6 +379,7 @@ class Checkpoint(Callback):
                 "opt": opt,
                 "callbacks": states[0],
                 "rank_callbacks": states if len(states) > 1 else None,
+                "tally": tallies if where.num_batch else None,
                 "monitor": self.monitor.state_dict() if self.monitor else None,
                 "position": where._asdict(),
                 # Inside an epoch: the RNG before its next batch was loaded.
@@ -380,6 +411,8 @@ class Checkpoint(Callback):
         load_model(self._model, saved["model"])
         load_optimizer_state(self._opt, self._model, saved["opt"])
         give_states(self._others, saved["callbacks"])
+        if saved.get("tally") is not None:  # (rank's own: see _own_states)
+            self._tally.load_state_dict(saved["tally"])
         if self.monitor is not None and saved["monitor"] is not None:
             self.monitor.load_state_dict(saved["monitor"])
         pos = saved["position"]
@@ -488,6 +521,8 @@ def _own_states(saved: dict, path: Path) -> None:
     saved["rng"] = saved["rng"][fd.rank()]
     if saved.get("rank_callbacks"):
         saved["callbacks"] = saved["rank_callbacks"][fd.rank()]
+    if saved.get("tally") is not None:
+        saved["tally"] = saved["tally"][fd.rank()]
     if saved["epoch_rng"] is not None:
         saved["epoch_rng"] = saved["epoch_rng"][fd.rank()]
 

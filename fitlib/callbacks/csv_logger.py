@@ -12,31 +12,30 @@ from __future__ import annotations
 import csv
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from fitlib.callback import Callback
-from fitlib.callbacks.tracking import (
-    RunningLoss,
-    check_state_keys,
-    step_lr,
-)
-from fitlib.core import batch_size, to_floats
+from fitlib.callbacks.tracking import check_state_keys
+from fitlib.record import Record
 from fitlib.serialization import atomic_write
 
-_STATE_KEYS = ("first_row", "epoch", "epoch_loss", "epoch_seconds")
+_STATE_KEYS = ("first_row",)
+# What a CSVLogger saved before the epoch record kept the epoch's sums.
+_OLD_STATE_KEYS = ("first_row", "epoch", "epoch_loss", "epoch_seconds")
 
 
 class CSVLogger(Callback):
-    """Writes a row per epoch: epoch, train_loss, valid_loss, metrics, lr, time.
+    """Writes a row per epoch: the epoch's record (epoch, train_loss,
+    valid_loss, the metrics, every value added to the record, lr, time).
 
     ``train_loss`` is the sample-weighted mean of the epoch's training
     losses; ``lr`` that of the last parameter group as the epoch's last
-    optimizer step used it; ``time`` the epoch's seconds. A skipped validation
-    leaves the valid_loss and metric cells empty (pandas reads them as NaN),
-    so "not computed" differs from a computed ``nan``. Values are written in
-    full precision. The header is written once, when the file is new or empty.
+    optimizer step used it; ``time`` the epoch's seconds. A value not computed
+    (a skipped validation) leaves its cell empty (pandas reads it as NaN), so
+    "not computed" differs from a computed ``nan``. Values are written in
+    full precision. The header, the record's names, is written with the
+    first row, when the file is new or empty.
 
     ``append=True`` adds the rows of each fit to the file; ``append=False``
     starts a new file at each fit that starts afresh. Either way a resumed fit
@@ -74,110 +73,100 @@ class CSVLogger(Callback):
         self.append = append
         self.columns: list[str] = []
         self._first_row: int | None = None  # where this fit's rows start
-        self._loss = RunningLoss()
-        self._loss_epoch: int | None = None  # the epoch _loss sums
-        self._epoch_seconds, self._t0 = 0.0, time.perf_counter()
+        self._heading = False  # the fit's first row is still to come
+        self._header: list[str] = []  # the file's, as read
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, iteration: int, epoch: int, metrics: Any) -> None:
+    def on_train_begin(self, iteration: int, epoch: int) -> None:
         """Runs before training: prepares the file (and trims it on a resume)."""
-        names = list(getattr(metrics, "names", None) or [])
-        self.columns = ["epoch", "train_loss", "valid_loss", *names, "lr", "time"]
         _check_path(self.path)
         _make_parent(self.path)
         _check_writable(self.path)
         if iteration == 0:
-            self._loss.reset()
-            self._loss_epoch = None
             rows, changed = self._read() if self.append else ([], True)
             self._first_row = len(rows)
         else:
             rows, torn = self._read()
             kept, self._first_row = _rows_before(rows, epoch, self._first_row)
             rows, changed = kept, torn or kept != rows
-        if changed or not self.path.is_file() or self.path.stat().st_size == 0:
+        if changed or not self.path.is_file():
             self._rewrite(rows)
+        # The columns are the record's names: the first row checks them
+        # against the file's header, or writes the header to an empty file.
+        self._heading = True
 
-    def on_epoch_begin(self, epoch: int) -> None:
-        """Runs at each epoch's start: starts its loss sum and clock."""
-        if epoch != self._loss_epoch:  # not an epoch resumed part way
-            self._loss.reset()
-            self._epoch_seconds, self._loss_epoch = 0.0, epoch
-        self._t0 = time.perf_counter()
+    def on_epoch_end(self, record: Record) -> None:
+        """Runs after validation: writes the epoch's record as a row."""
+        lines = []
+        if self._heading:
+            self._heading = False
+            lines = self._head(list(record))
+        if list(record) != self.columns:
+            raise ValueError(
+                f"CSVLogger: epoch {record['epoch']}'s record has the names "
+                f"{list(record)}, but the file's columns are {self.columns}. Fix: "
+                "add the same values every epoch (a callback declares them in "
+                "record_names; None where not computed)."
+            )
+        lines.append(["" if v is None else v for v in record.values()])
+        self._append(lines)
 
-    def on_batch_end(
-        self, train: bool, last_loss: Any, last_target: Any, last_input: Any
-    ) -> None:
-        """Runs after each batch: keeps a training loss (a list append)."""
-        if train:
-            self._loss.add(last_loss, batch_size(last_target, last_input))
-
-    def on_epoch_end(self, epoch: int, last_metrics: list | None, opt: Any) -> None:
-        """Runs after validation: writes the epoch's row (one host transfer)."""
-        sums = self._loss.pending()
-        values = to_floats(sums, last_metrics or [])
-        valid: list[Any] = values[len(sums) :]
-        if last_metrics is None:
-            valid = [""] * (len(self.columns) - 4)
-        seconds = self._epoch_seconds + time.perf_counter() - self._t0
-        train = self._loss.mean(values[: len(sums)])
-        self._write_row([epoch, train, *valid, step_lr(opt), seconds])
-        self._loss.reset()
-        self._loss_epoch = None
+    def _head(self, columns: list[str]) -> list[list[str]]:
+        """Checks the file's header against ``columns``; returns the header
+        to write with the first row when the file has none."""
+        header = self._header
+        if header and header != columns:
+            raise ValueError(
+                f"CSVLogger: {str(self.path)!r} has the columns {header}, but "
+                f"this fit writes {columns}. Fix: CSVLogger(path, append=False) "
+                "to start a new file, or log to another path."
+            )
+        self.columns = columns
+        return [] if header else [columns]
 
     # -- the file --------------------------------------------------------------
     def _read(self) -> tuple[list[list[str]], bool]:
-        """The file's rows (header excluded), and whether some were torn."""
+        """The file's rows (header excluded, kept in ``_header``), and whether
+        some were torn."""
+        self._header: list[str] = []
         if not self.path.is_file():
             return [], False
         with open(self.path, newline="") as f:
             text = f.read()
         lines = list(csv.reader(text.splitlines()))
+        self._header = lines[0] if lines else []
         if not lines:
             return [], False
-        if lines[0] != self.columns:
-            raise ValueError(
-                f"CSVLogger: {str(self.path)!r} has the columns {lines[0]}, but "
-                f"this fit writes {self.columns}. Fix: CSVLogger(path, "
-                "append=False) to start a new file, or log to another path."
-            )
         # Every row ends with a line break: a last line without one was torn.
         whole = lines[1:] if text.endswith("\n") else lines[1:-1]
-        rows = [r for r in whole if len(r) == len(self.columns) and r[0].isdigit()]
+        rows = [r for r in whole if len(r) == len(lines[0]) and r[0].isdigit()]
         return rows, len(rows) != len(lines) - 1
 
     def _rewrite(self, rows: list[list[str]]) -> None:
-        """Header and ``rows``, atomically: a crash leaves the old or new file
-        (with the mode a plain ``open()`` gives, or the old file's)."""
+        """The file's header and ``rows`` (none: an empty file), atomically: a
+        crash leaves the old or new file (with the mode a plain ``open()``
+        gives, or the old file's)."""
+        if not rows:
+            self._header = []  # the first row writes this fit's
         with atomic_write(self.path, "w", newline="") as f:
-            csv.writer(f).writerows([self.columns, *rows])
+            csv.writer(f).writerows([self._header, *rows] if rows else [])
 
-    def _write_row(self, row: list[Any]) -> None:
+    def _append(self, rows: list[list[Any]]) -> None:
         with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerow(row)
+            csv.writer(f).writerows(rows)
             f.flush()
             os.fsync(f.fileno())
 
     # -- saving ----------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where this fit's rows start, and the epoch's sums so far (one sync)."""
-        seconds = 0.0
-        if self._loss_epoch is not None:
-            seconds = self._epoch_seconds + time.perf_counter() - self._t0
-        return {
-            "first_row": self._first_row,
-            "epoch": self._loss_epoch,
-            "epoch_loss": self._loss.state_dict(),
-            "epoch_seconds": seconds,
-        }
+        """Where this fit's rows start (the epoch's sums are the loop's)."""
+        return {"first_row": self._first_row}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``; the resumed fit trims the file from it."""
-        check_state_keys(state, _STATE_KEYS, "CSVLogger")
+        if not (isinstance(state, dict) and set(state) == set(_OLD_STATE_KEYS)):
+            check_state_keys(state, _STATE_KEYS, "CSVLogger")
         self._first_row = state["first_row"]
-        self._loss_epoch = state["epoch"]
-        self._loss.load_state_dict(state["epoch_loss"])
-        self._epoch_seconds = float(state["epoch_seconds"])
 
     def __repr__(self) -> str:
         return f"{self.name}({str(self.path)!r}, append={self.append})"

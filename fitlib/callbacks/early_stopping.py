@@ -14,7 +14,6 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
-from fitlib.core import batch_size
 from fitlib.errors import is_number
 from fitlib.serialization import host_copy
 from fitlib.sharding import load_model, model_state
@@ -34,8 +33,8 @@ class EarlyStopping(Callback):
     in a row. So with a baseline, training stops unless the value beats it
     within ``patience + 1`` counted epochs. (Keras stops once the count
     reaches ``patience``; here, as in ``ReduceLROnPlateau``, it must exceed it.)
-    NaN is never an improvement; an epoch without validation (``last_metrics``
-    None) is not counted, unless monitoring ``train_loss``.
+    NaN is never an improvement; an epoch in which the value was not
+    computed (None in the record: validation skipped) is not counted.
 
     The best value (``monitor.best``) and its epoch track the best value seen,
     also below the baseline. A fit that starts at ``iteration == 0`` resets
@@ -107,26 +106,26 @@ class EarlyStopping(Callback):
         self.best_weights: dict[str, torch.Tensor] | None = None
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, iteration: int, metrics: Any, data: Any) -> None:
+    def on_train_begin(
+        self,
+        iteration: int,
+        metrics: Any,
+        data: Any,
+        train_metrics: Any,
+        callbacks: list,
+    ) -> None:
         """Runs before training: checks the monitor; a new fit resets."""
-        self.monitor.start(metrics, data, resumed=iteration > 0)
+        self.monitor.start(metrics, data, train_metrics, callbacks)
         if iteration == 0:
             self.reset()
         self._stopped_now = False
         self._fitting = True
 
-    def on_batch_end(
-        self, train: bool, last_loss: torch.Tensor, last_target: Any, last_input: Any
-    ) -> None:
-        """Runs after each batch: keeps the training loss when it is monitored."""
-        if train and self.monitor.needs_train_loss:
-            self.monitor.add_batch(last_loss, batch_size(last_target, last_input))
-
     def on_epoch_end(
-        self, epoch: int, last_metrics: list | None, model: torch.nn.Module
+        self, epoch: int, record: dict, model: torch.nn.Module
     ) -> dict | None:
         """Runs after validation: counts a bad epoch, stops after too many."""
-        value = self.monitor.read(last_metrics)
+        value = self.monitor.read(record)
         if value is None or epoch < self.start_from_epoch:
             return None
         if self.step(value, epoch, model):

@@ -4,10 +4,10 @@ Shared by the callbacks that act on a monitored value (``ReduceLROnPlateau``;
 later ``EarlyStopping`` and ``Checkpoint(monitor=...)``). It is a helper, not
 a callback: its owner calls it from its own hooks.
 
-The value is read once per epoch, in one host transfer: ``valid_loss`` and the
-metrics from ``last_metrics``; ``train_loss`` as the sample-weighted mean of
-the epoch's training losses, which the owner hands over batch by batch as
-device tensors (a list append, no device op, no sync).
+The value is read from the epoch's record (``state["record"]``), which the
+loop reads from the device once per epoch for every consumer: ``valid_loss``,
+``train_loss``, a metric, a training metric, a loss part or a value a
+callback added, by name.
 """
 
 from __future__ import annotations
@@ -16,11 +16,6 @@ import math
 import re
 from typing import Any
 
-import torch
-
-from fitlib import distributed as fd
-from fitlib.callbacks.tracking import RunningLoss
-from fitlib.core import to_floats
 from fitlib.errors import is_number
 
 MODES = ("auto", "min", "max")
@@ -31,6 +26,7 @@ LOSSES = ("valid_loss", "train_loss")
 _DOWN = frozenset({
     "loss", "error", "err", "mse", "mae", "rmse", "msle", "rmsle", "mape", "smape",
     "wape", "nll", "perplexity", "distance", "divergence", "hamming", "wer", "cer",
+    "ce", "bce", "kl", "kld", "huber",  # loss parts: valid_ce, train_kl...
 })  # fmt: skip
 _UP = frozenset({
     "accuracy", "acc", "f1", "fbeta", "r2", "precision", "recall", "auc", "auroc",
@@ -68,15 +64,17 @@ class Monitor:
     at the worst value (``inf`` for "min", ``-inf`` for "max").
 
     Args:
-        monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
+        monitor: a name of the epoch record: ``"valid_loss"``,
+            ``"train_loss"``, a metric's name, ``"train_<metric>"``, a loss
+            part (``"valid_<part>"``) or a value a callback adds.
         mode: ``"min"``, ``"max"``, or ``"auto"`` to infer it from the name.
         min_delta: the least change that counts as an improvement (>= 0).
         owner: the owning callback's name, for error messages.
 
     Example:
         >>> m = Monitor("accuracy", owner="EarlyStopping")
-        >>> m.start(metrics, data)              # in on_train_begin
-        >>> m.update(m.read(last_metrics))      # in on_epoch_end
+        >>> m.start(metrics, data)       # in on_train_begin
+        >>> m.update(m.read(record))     # in on_epoch_end
         True
     """
 
@@ -91,66 +89,66 @@ class Monitor:
         self.name = _check_name(monitor, owner)
         self.mode = self._resolve_mode(mode)
         self.min_delta = _check_min_delta(min_delta, owner)
-        self._index = 0  # where the value sits in last_metrics
-        # The epoch's training losses (from before a resume too).
-        self._loss = RunningLoss()
+        self._known: list[str] = []  # the names known before training
         self.reset()
-
-    @property
-    def needs_train_loss(self) -> bool:
-        """Whether the owner must pass each training batch to ``add_batch``."""
-        return self.name == "train_loss"
 
     def reset(self) -> None:
         """Forgets the best value (a new run starts)."""
         self.best = math.inf if self.mode == "min" else -math.inf
 
-    def start(self, metrics: Any, data: Any = None, resumed: bool = False) -> None:
-        """Checks, before training, that the value will exist; clears the batches.
+    def start(
+        self,
+        metrics: Any,
+        data: Any = None,
+        train_metrics: Any = None,
+        callbacks: Any = (),
+    ) -> None:
+        """Checks, before training, that the value will be in the record.
 
-        A ``resumed`` fit keeps the part of the epoch's ``train_loss`` that
-        ``load_state_dict`` restored.
+        The names known before training are the losses, the metrics, the
+        training metrics (``train_<name>``) and the values the ``callbacks``
+        declare (``record_names``). A name outside them that could be a loss
+        part (``train_<part>``, ``valid_<part>``: known at the first batch)
+        is checked at the first epoch's end instead.
 
         Raises a ValueError listing the names that exist when it does not,
         or when ``data`` has no ``valid_dl`` to compute a validation value on.
         """
         metric_names = list(getattr(metrics, "names", None) or [])
-        names = [*LOSSES, *metric_names]
-        if self.name not in names:
+        train_names = getattr(train_metrics, "names", None) or []
+        declared = [n for cb in callbacks or () for n in cb.record_names]
+        names = [*LOSSES, *metric_names, *(f"train_{n}" for n in train_names)]
+        self._known = [*names, *declared]
+        part = self.name.startswith(("train_", "valid_"))
+        if self.name not in self._known and not part:
             raise ValueError(
                 f"{self.owner}: monitor={self.name!r} is not computed in this "
-                f"fit; the names that exist are {names}. Fix: pass one of "
-                "them, or add the metric to fit(metrics=[...])."
+                f"fit; the names that exist are {self._known}. Fix: pass one of "
+                "them, or add the metric to metrics=[...] (or train_metrics=[...]"
+                "); a callback that adds a value lists it in its record_names."
             )
-        if not self.needs_train_loss and _lacks_validation(data):
+        validated = self.name in ("valid_loss", *metric_names)
+        if (validated or self.name.startswith("valid_")) and _lacks_validation(data):
             raise ValueError(
                 f"{self.owner}: monitor={self.name!r} needs validation, but "
                 "data.valid_dl is None, so it would never be computed. Fix: "
                 "pass a valid_dl, or monitor='train_loss'."
             )
-        in_metrics = self.name in metric_names and self.name != "valid_loss"
-        self._index = 1 + metric_names.index(self.name) if in_metrics else 0
-        self._loss.reset(*(self._loss.restored if resumed else ()))
 
-    def add_batch(self, loss: torch.Tensor, size: int) -> None:
-        """Keeps a training batch's detached loss and size (no sync)."""
-        self._loss.add(loss, size)
-
-    def read(self, last_metrics: list | None) -> float | None:
-        """The epoch's value as a float (one host transfer), or None if absent.
-
-        Absent: validation was skipped (``last_metrics`` is None) for a
-        validation value, or no training batch was added for ``train_loss``.
-        Clears the batches added so far.
-        """
-        if self.needs_train_loss:
-            loss, self._loss = self._loss, RunningLoss()
-            if fd.world_size() > 1:  # every rank must decide alike: the global mean
-                return _global_mean(loss)
-            return loss.mean(to_floats(loss.pending())) if loss.samples else None
-        if last_metrics is None:
+    def read(self, record: dict | None) -> float | None:
+        """The epoch's value, or None when it was not computed this epoch
+        (validation skipped, or no training batch for a training value)."""
+        if record is None:
             return None
-        return to_floats([], [last_metrics[self._index]])[0]
+        if self.name not in record:
+            raise ValueError(
+                f"{self.owner}: monitor={self.name!r} is not in the epoch's "
+                f"record; the names that exist are {_values(record)}. Fix: pass "
+                "one of them (a loss part is reported as train_<part> and "
+                "valid_<part> when loss_func returns a dict)."
+            )
+        value = record[self.name]
+        return None if value is None else float(value)
 
     def is_improvement(self, value: float) -> bool:
         """Whether ``value`` beats ``best`` by more than ``min_delta``."""
@@ -166,13 +164,8 @@ class Monitor:
         return improved
 
     def state_dict(self) -> dict:
-        """The best value, what it is the best of, and (``train_loss``) the
-        sum and count of the epoch's losses so far (one host transfer)."""
-        state = {"monitor": self.name, "mode": self.mode, "best": self.best}
-        if self.needs_train_loss:
-            partial = self._loss.state_dict()
-            state["partial"] = [partial["total"], partial["count"]]
-        return state
+        """The best value and what it is the best of."""
+        return {"monitor": self.name, "mode": self.mode, "best": self.best}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``; refuses the state of another quantity."""
@@ -188,8 +181,7 @@ class Monitor:
                 f"mode={state['mode']!r}, but this one watches {self.name!r} "
                 f"({self.mode!r}). Fix: create it with the same monitor and mode."
             )
-        self.best = float(state["best"])
-        self._loss.reset(*state.get("partial", (0.0, 0)))
+        self.best = float(state["best"])  # ("partial": an older train_loss sum)
 
     def __repr__(self) -> str:
         return (
@@ -239,15 +231,6 @@ def _lacks_validation(data: Any) -> bool:
     return data is not None and getattr(data, "valid_dl", True) is None
 
 
-def _global_mean(loss: RunningLoss) -> float:
-    """The sample-weighted mean training loss over every rank (one all-reduce).
-
-    Each rank adds the part of a resumed epoch that it trained before the
-    resume (``Checkpoint`` saves every rank's state).
-    """
-    pending = loss.pending()
-    total = pending[0] if pending else torch.zeros((), dtype=torch.float64)
-    count = total.new_tensor(float(loss.samples))
-    pair = torch.stack([total + loss.restored[0], count])
-    total, n = to_floats(list(fd.all_reduce_sum(pair)))
-    return total / n if n else math.nan
+def _values(record: dict) -> list[str]:
+    """The names of a record that can be monitored."""
+    return [k for k in record if k not in ("epoch", "lr", "time")]

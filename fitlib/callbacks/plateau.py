@@ -11,11 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
-from fitlib.core import batch_size
 from fitlib.errors import is_number
 from fitlib.optim import HPOptimizer
 
@@ -32,8 +29,9 @@ class ReduceLROnPlateau(Callback):
     resets the count of bad epochs, anything else adds one. When the count
     exceeds ``patience``, each lr becomes ``max(lr * factor, min_lr)`` (kept
     as it was if that changes it by less than ``EPS`` = 1e-8, as torch does)
-    and the next ``cooldown`` epochs count no bad epochs. An epoch without validation
-    (``last_metrics`` None) changes nothing, unless monitoring ``train_loss``.
+    and the next ``cooldown`` epochs count no bad epochs. An epoch in which
+    the value was not computed (None in the record: validation skipped)
+    changes nothing.
     The state resets when a fit starts; a resumed fit (one that begins with
     ``iteration > 0``) keeps what ``load_state_dict`` restored.
 
@@ -101,23 +99,24 @@ class ReduceLROnPlateau(Callback):
         self.reductions: list[int] = []
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, iteration: int, opt: Any, metrics: Any, data: Any) -> None:
+    def on_train_begin(
+        self,
+        iteration: int,
+        opt: Any,
+        metrics: Any,
+        data: Any,
+        train_metrics: Any,
+        callbacks: list,
+    ) -> None:
         """Runs before training: checks the monitor and min_lr; a new fit resets."""
-        self.monitor.start(metrics, data, resumed=iteration > 0)
+        self.monitor.start(metrics, data, train_metrics, callbacks)
         self._min_lrs(len(opt.param_groups))  # raises now, not at the 1st reduction
         if iteration == 0:  # a resumed fit keeps what load_state_dict restored
             self.reset()
 
-    def on_batch_end(
-        self, train: bool, last_loss: torch.Tensor, last_target: Any, last_input: Any
-    ) -> None:
-        """Runs after each batch: keeps the training loss when it is monitored."""
-        if train and self.monitor.needs_train_loss:
-            self.monitor.add_batch(last_loss, batch_size(last_target, last_input))
-
-    def on_epoch_end(self, epoch: int, last_metrics: list | None, opt: Any) -> None:
+    def on_epoch_end(self, epoch: int, record: dict, opt: Any) -> None:
         """Runs after validation: counts a bad epoch, reduces the lr after too many."""
-        value = self.monitor.read(last_metrics)
+        value = self.monitor.read(record)
         if value is not None:
             self.step(value, opt, epoch)
 

@@ -1,12 +1,10 @@
 """``ProgressBar``: fastprogress bars over epochs and batches, and a results table;
 ``SweepBar``: one bar over an LR finder's sweep.
 
-Per batch they compare the clock (``ProgressBar`` also adds the loss to a
-``RunningLoss``, summed on the device): the smoothed loss is read (a
-host-device sync) only when a bar is redrawn, at most every ``refresh``
-seconds of wall-clock time, and once at the end of each training loader or
-sweep. The table's values reach Python in one
-transfer per epoch.
+Per batch they compare the clock: the smoothed loss is read (a host-device
+sync) only when a bar is redrawn, at most every ``refresh`` seconds of
+wall-clock time, and once at the end of each training loader or sweep. The
+table's rows are the epochs' records (``state["record"]``), already read.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.callbacks.tracking import RunningLoss
-from fitlib.core import batch_size, len_or_none, to_floats
+from fitlib.core import len_or_none
+from fitlib.record import Record
 
 _NA = "#na#"
 
@@ -29,8 +27,10 @@ class ProgressBar(Callback):
     """A master bar over epochs, a child bar per loader, a table per epoch.
 
     Works in notebooks and consoles (fastprogress picks which). The child
-    bar's comment is the smoothed training loss. ``rows`` holds the table the
-    last fit wrote, header first, as strings; each fit writes its own table.
+    bar's comment is the smoothed training loss. The table has a column per
+    value of the epoch record but ``lr``: its header is written with the
+    first row. ``rows`` holds the table the last fit wrote, header first, as
+    strings; each fit writes its own table.
 
     Args:
         refresh: the least number of seconds between two redraws of a bar.
@@ -61,11 +61,9 @@ class ProgressBar(Callback):
         n_steps: int | None,
         data: Any,
         epoch: int,
-        metrics: Any,
     ) -> None:
-        """Runs before training: opens the master bar, writes the header."""
+        """Runs before training: opens the master bar."""
         self.rows, self.pb, self._phase = [], None, None
-        self._names = list(getattr(metrics, "names", []))
         # Bounded by steps (n_epochs None): the epochs those steps take at least.
         batches = len_or_none(getattr(data, "train_dl", None))
         if n_epochs is None:
@@ -80,41 +78,37 @@ class ProgressBar(Callback):
             self.mb.update(epoch)
         self._mb_open = epoch < n_epochs
         self._last_draw, self._comment = -math.inf, ""
-        if self._mb_open:  # a finished run resumed has no table to head
-            self._write(["epoch", "train_loss", "valid_loss", *self._names, "time"])
 
     def on_epoch_begin(self) -> None:
-        """Runs at the start of each epoch: starts its clock and loss sums."""
-        self._t0 = time.perf_counter()
-        self._loss = RunningLoss()  # summed on the device: no sync per batch
+        """Runs at the start of each epoch."""
         self._smooth: torch.Tensor | None = None
 
     def on_batch_end(
         self,
         train: bool,
         data: Any,
-        last_loss: torch.Tensor,
         smooth_loss: torch.Tensor | None,
-        last_target: Any,
-        last_input: Any,
     ) -> None:
-        """Runs after each batch: keeps the loss, redraws when time is up."""
+        """Runs after each batch: redraws when time is up."""
         if train is not self._phase:
             # Opened here rather than in on_batch_begin: each hook a callback
             # overrides costs a call per batch.
             self._open_bar(train, data)
         self._n += 1
         if train:
-            self._loss.add(last_loss, batch_size(last_target, last_input))
             self._smooth = smooth_loss
         now = time.perf_counter()
         if now - self._last_draw >= self.refresh:
             self._draw(now)
 
-    def on_epoch_end(self, epoch: int, last_metrics: list | None) -> None:
-        """Runs after validation: closes the child bar, writes the epoch's row."""
+    def on_epoch_end(self, epoch: int, record: Record) -> None:
+        """Runs after validation: closes the child bar, writes the epoch's row
+        (the first with the header)."""
         self._close_bar()
-        self._write(self._row(epoch, last_metrics))
+        columns = [k for k in record if k != "lr"]
+        if not self.rows:
+            self._write(columns)
+        self._write([_cell(k, record[k]) for k in columns])
         self.mb.update(min(epoch + 1, self._n_epochs))
         self._mb_open = epoch + 1 < self._n_epochs
 
@@ -160,17 +154,6 @@ class ProgressBar(Callback):
         if self._n < self.pb.total:  # stopped early: fastprogress would wait
             self.pb.on_iter_end()
         self.pb, self._phase = None, None
-
-    def _row(self, epoch: int, last_metrics: list | None) -> list[str]:
-        sums = self._loss.pending()
-        values = to_floats(sums, last_metrics or [])
-        n = len(sums)
-        train = _fmt(self._loss.mean(values[:n])) if n else _NA
-        rest = [_fmt(v) for v in values[n:]]
-        if last_metrics is None:
-            rest = [_NA] * (1 + len(self._names))
-        elapsed = _fastprogress().format_time(time.perf_counter() - self._t0)
-        return [str(epoch), train, *rest, elapsed]
 
     def _write(self, row: list[str]) -> None:
         self.rows.append(row)
@@ -336,3 +319,14 @@ def _fastprogress() -> Any:
 
 def _fmt(value: float) -> str:
     return f"{value:.6f}"
+
+
+def _cell(name: str, value: Any) -> str:
+    """A record value as the table shows it."""
+    if value is None:
+        return _NA
+    if name == "epoch":
+        return str(value)
+    if name == "time":
+        return _fastprogress().format_time(value)
+    return _fmt(value)

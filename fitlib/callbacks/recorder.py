@@ -6,15 +6,14 @@ already), the loss and the batch size, within a fixed budget of points
 checkpoints stay bounded for any length of run. The losses stay detached
 device tensors until they are read, an epoch ends or ``FLUSH_EVERY`` steps
 wait, and are smoothed then: recording a step never forces a host-device
-sync. Per epoch it keeps, complete, the train loss (the exact sample-weighted
-mean of the epoch's raw losses), the validation loss, the metrics and the
-wall time; the epoch's values reach Python in one transfer at its end.
+sync. Per epoch it keeps the epoch's record (``state["record"]``: the train
+loss, the validation loss, the metrics, every value added to the record and
+the time), complete, across fits.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from operator import attrgetter
@@ -24,8 +23,8 @@ import torch
 
 from fitlib import plots
 from fitlib.callback import Callback, LossSmoother
-from fitlib.core import batch_size, to_floats
 from fitlib.optim import lr_and_momentum
+from fitlib.record import LOOP_KEYS, Record, batch_size, to_floats
 
 # Steps whose losses may wait on the device: one host transfer per this many.
 FLUSH_EVERY = 1024
@@ -48,8 +47,8 @@ _EPOCH_KEYS = (
     "epoch_metric_names",
     "times",
 )
-# Per-epoch keys whose items are lists: copied one level deeper.
-_NESTED_KEYS = ("metrics", "epoch_metric_names")
+# The record's values that are not listed as the epoch's "metrics".
+_NOT_METRICS = frozenset(LOOP_KEYS)
 _NOT_FIT = "nothing to plot yet: call fit first, with this Recorder in the callbacks"
 
 
@@ -111,9 +110,12 @@ class Recorder(Callback):
     optimizer has no momentum), ``losses``, ``smooth_losses``, ``iterations``
     and ``batch_sizes``; per epoch ``epochs``, ``epoch_iterations`` (the last
     iteration of each epoch), ``train_losses``, ``valid_losses`` (NaN when
-    validation was skipped), ``metrics`` (one list per epoch),
-    ``epoch_metric_names`` (their names, per epoch: fits may use different
-    metrics) and ``times`` (seconds). ``metric_names`` are the latest fit's.
+    validation was skipped), ``metrics`` (one list per epoch: the record's
+    values other than epoch, losses, lr and time, i.e. the metrics, training
+    metrics, loss parts and values callbacks added), ``epoch_metric_names``
+    (their names, per epoch: fits may differ) and ``times`` (seconds).
+    ``metric_names`` are the latest fit's metrics. ``epoch_table()`` gives
+    the records themselves; values not computed (None in the record) are NaN.
 
     Per-step points have a fixed budget, ``max_points``. Up to that many
     steps there is one point per step, the step's own values. One step more
@@ -172,16 +174,42 @@ class Recorder(Callback):
         # device tensors (see _flush).
         self._pending: list[tuple] = []
         self._smoother = LossSmoother()
-        self._epoch_loss = [0.0, 0]  # this epoch's sum of loss * size, and samples
-        self.epochs: list[int] = []
+        # One row per epoch: its record, numbered across fits, lr left out.
+        self._rows: list[Record] = []
         self.epoch_iterations: list[int] = []
-        self.train_losses: list[float] = []
-        self.valid_losses: list[float] = []
-        self.metrics: list[list[float]] = []
-        self.epoch_metric_names: list[list[str]] = []
-        self.times: list[float] = []
         self.metric_names: list[str] = []
-        self._t0 = time.perf_counter()
+
+    # The per-epoch lists, read from the rows.
+    @property
+    def epochs(self) -> list[int]:
+        """The number of each epoch, counted across fits: 0, 1, 2..."""
+        return [row["epoch"] for row in self._rows]
+
+    @property
+    def train_losses(self) -> list[float]:
+        """The mean training loss of each epoch (sample-weighted, exact)."""
+        return [row["train_loss"] for row in self._rows]
+
+    @property
+    def valid_losses(self) -> list[float]:
+        """The validation loss of each epoch (NaN: validation skipped)."""
+        return [row["valid_loss"] for row in self._rows]
+
+    @property
+    def times(self) -> list[float]:
+        """The seconds of each epoch."""
+        return [row["time"] for row in self._rows]
+
+    @property
+    def epoch_metric_names(self) -> list[list[str]]:
+        """The names of each epoch's ``metrics`` values."""
+        return [[k for k in row if k not in _NOT_METRICS] for row in self._rows]
+
+    @property
+    def metrics(self) -> list[list[float]]:
+        """Each epoch's values other than the losses, lr and time."""
+        return [[v for k, v in row.items() if k not in _NOT_METRICS]
+                for row in self._rows]  # fmt: skip
 
     # Reading a per-step list moves the pending steps' losses to Python first:
     # one host-device sync, so read them between epochs, not per batch.
@@ -246,13 +274,6 @@ class Recorder(Callback):
             self._smoother = LossSmoother()  # (a resumed one continues)
         self.metric_names = list(getattr(metrics, "names", []))
 
-    def on_epoch_begin(self, num_batch: int) -> None:
-        """Runs at the start of each epoch: starts its clock and its sums."""
-        # num_batch > 0: an epoch resumed part way, whose sums were loaded.
-        if num_batch == 0:
-            self._epoch_loss = [0.0, 0]
-        self._t0 = time.perf_counter()
-
     def on_batch_end(
         self,
         train: bool,
@@ -269,21 +290,14 @@ class Recorder(Callback):
             if len(self._pending) >= FLUSH_EVERY:  # bounded, also in endless epochs
                 self._flush()
 
-    def on_epoch_end(self, last_metrics: list | None) -> None:
-        """Runs after validation: records the epoch, with one host transfer."""
-        # Not None, last_metrics starts with the valid loss: values is never empty.
-        values = self._flush(last_metrics or [])
-        if last_metrics is None:
-            values = [math.nan] * (1 + len(self.metric_names))
-        total, samples = self._epoch_loss
-        self.epochs.append(len(self.epochs))
+    def on_epoch_end(self, record: Record) -> None:
+        """Runs after validation: keeps the epoch's record (no host transfer:
+        the steps' losses wait until they are read, or ``FLUSH_EVERY``)."""
+        row = {k: math.nan if v is None else v for k, v in record.items()}
+        del row["lr"]  # per step in lrs
+        row["epoch"] = len(self._rows)
+        self._rows.append(row)
         self.epoch_iterations.append(self._count - 1)
-        self.train_losses.append(total / samples if samples else math.nan)
-        self.valid_losses.append(values[0])
-        self.metrics.append(values[1:])
-        self.epoch_metric_names.append(list(self.metric_names))
-        # After the transfer, which waited for the device: the epoch's real time.
-        self.times.append(time.perf_counter() - self._t0)
 
     def _flush(self, extra: Iterable = ()) -> list[float]:
         """Moves the pending steps into the points, with ``extra`` (one sync).
@@ -293,13 +307,10 @@ class Recorder(Callback):
         steps, self._pending = self._pending, []
         values = to_floats([loss for _, loss, _ in steps], extra)
         losses, n = values[: len(steps)], len(steps)
-        total, samples = self._epoch_loss
         iteration = self._count - n
         for ((lr, mom), _, size), loss, smooth in zip(
             steps, losses, self._smoother(losses), strict=True
         ):
-            total += loss * size  # step by step: the same sum however flushed
-            samples += size
             part = self._part
             if part is None and len(self._points) >= self._max_points:
                 self._merge_pairs()  # which may leave a partial point
@@ -312,7 +323,6 @@ class Recorder(Callback):
                 self._points.append(part)
                 self._part = None
             iteration += 1
-        self._epoch_loss = [total, samples]
         return values[n:]
 
     def _merge_pairs(self) -> None:
@@ -333,14 +343,12 @@ class Recorder(Callback):
             key: list(map(attrgetter(field), self._points))
             for key, field in _FIELDS.items()
         }
-        state |= {k: list(getattr(self, k)) for k in _EPOCH_KEYS}
-        for key in _NESTED_KEYS:
-            state[key] = [list(v) for v in getattr(self, key)]
+        state |= {k: getattr(self, k) for k in _EPOCH_KEYS}  # new lists
+        state["rows"] = [dict(row) for row in self._rows]
         state["metric_names"] = list(self.metric_names)
         state["smoother"] = [self._smoother.avg, self._smoother.n]
         state["steps_per_point"] = self._stride
         state["partial"] = None if self._part is None else asdict(self._part)
-        state["epoch_loss"] = list(self._epoch_loss)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -355,31 +363,22 @@ class Recorder(Callback):
             for lr, mom, loss, smooth, it, size in zip(*columns, strict=True)
         ]
         if "steps_per_point" not in state:  # the older format: no budget yet
-            self._from_one_point_per_step(state)
+            for it, point in enumerate(self._points):
+                point.iteration = it  # were always 0, 1, 2...
         else:
             partial = state["partial"]
             self._part = None if partial is None else _Point(**partial)
-            self._epoch_loss = list(state["epoch_loss"])
         self._stride = stride
         last = self._part or (self._points[-1] if self._points else None)
         self._count = 0 if last is None else last.iteration + 1
-        for key in _EPOCH_KEYS:  # copies: later fits append to them
-            setattr(self, key, list(state[key]))
-        for key in _NESTED_KEYS:
-            setattr(self, key, [list(v) for v in state[key]])
+        # Copies: later fits append to them.
+        self._rows = [dict(r) for r in state.get("rows") or _rows_of(state)]
+        self.epoch_iterations = list(state["epoch_iterations"])
         self.metric_names = list(state["metric_names"])
         if "smoother" in state:  # the moving average of the fit in progress
             self._smoother.avg, self._smoother.n = state["smoother"]
         while len(self._points) + (self._part is not None) > self.max_points:
             self._merge_pairs()  # saved with a larger budget than this one's
-
-    def _from_one_point_per_step(self, state: dict) -> None:
-        for it, point in enumerate(self._points):
-            point.iteration = it  # were always 0, 1, 2...
-        ends = state["epoch_iterations"]
-        for point in self._points[ends[-1] + 1 if ends else 0 :]:  # epoch in progress
-            self._epoch_loss[0] += point.loss * point.batch_size
-            self._epoch_loss[1] += point.batch_size
 
     # -- reading ---------------------------------------------------------------
     def epoch_table(self) -> list[dict]:
@@ -393,21 +392,7 @@ class Recorder(Callback):
             {'epoch': 0, 'train_loss': 0.91, 'valid_loss': 0.72,
              'accuracy': 0.66, 'time': 0.41}
         """
-        rows = zip(
-            self.epochs,
-            self.train_losses,
-            self.valid_losses,
-            self.metrics,
-            self.epoch_metric_names,
-            self.times,
-            strict=True,
-        )
-        return [
-            {"epoch": e, "train_loss": t, "valid_loss": v}
-            | dict(zip(names, m, strict=False))
-            | {"time": s}
-            for e, t, v, m, names, s in rows
-        ]
+        return [dict(row) for row in self._rows]
 
     # Plots follow matplotlib's convention (fitlib.plots): drawn into ``ax``
     # when given, else into a new pyplot figure, which a notebook shows once at
@@ -459,17 +444,19 @@ class Recorder(Callback):
         return plots.per_step(ax, self.iterations, panels, where)
 
     def plot_metrics(self, ax: Any = None) -> Any:
-        """One panel per metric, its value per epoch.
+        """One panel per metric, its value per epoch; a value of the training
+        set or a loss part shares the panel of its name: ``train_accuracy``
+        with ``accuracy``, ``train_ce`` with ``valid_ce``.
 
-        A metric that only some fits computed is NaN (a gap) in the other
-        epochs. Panels follow the order in which the metrics first appeared.
+        A value that only some fits computed is NaN (a gap) in the other
+        epochs. Panels follow the order in which the values first appeared.
 
         Args:
-            ax: the Axes to draw into, a sequence of one per metric when there
+            ax: the Axes to draw into, a sequence of one per panel when there
                 are several; None: a new pyplot figure.
 
         Returns:
-            The Axes, or a list of them when there are several metrics.
+            The Axes, or a list of them when there are several panels.
         """
         if not self.epochs:
             raise ValueError(f"no epoch has finished yet; {_NOT_FIT}.")
@@ -479,11 +466,10 @@ class Recorder(Callback):
                 "no metrics were recorded. Fix: pass metrics=[...] to fit (or to "
                 "the Learner)."
             )
-        per_epoch = [
-            dict(zip(ns, m, strict=False))
-            for ns, m in zip(self.epoch_metric_names, self.metrics, strict=True)
-        ]
-        panels = {n: [values.get(n, math.nan) for values in per_epoch] for n in names}
+        panels: dict[str, dict[str, list]] = {}
+        for name in names:
+            values = [row.get(name, math.nan) for row in self._rows]
+            panels.setdefault(_panel_of(name), {})[name] = values
         return plots.per_epoch(ax, self.epochs, panels, "plot_metrics")
 
     def plot_lr_find(
@@ -554,7 +540,6 @@ def _check_state(state: dict) -> None:
         or stride < 1
         or stride & (stride - 1)
         or bad_partial
-        or ("steps_per_point" in state and "epoch_loss" not in state)
     ):
         raise ValueError(
             f"Recorder.load_state_dict: steps_per_point={stride!r} with partial "
@@ -562,6 +547,34 @@ def _check_state(state: dict) -> None:
             "(a power of 2, and a partial point of fewer steps); the state is "
             "corrupt. Fix: pass what Recorder.state_dict() returned."
         )
+
+
+def _panel_of(name: str) -> str:
+    """The panel of a value: ``train_x`` and ``valid_x`` go with ``x`` (or
+    with each other), anything else is its own."""
+    for prefix in ("train_", "valid_"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _rows_of(state: dict) -> list[Record]:
+    """The rows of a state saved before the Recorder kept records."""
+    rows = zip(
+        state["epochs"],
+        state["train_losses"],
+        state["valid_losses"],
+        state["metrics"],
+        state["epoch_metric_names"],
+        state["times"],
+        strict=True,
+    )
+    return [
+        {"epoch": e, "train_loss": t, "valid_loss": v}
+        | dict(zip(names, m, strict=False))
+        | {"time": s}
+        for e, t, v, m, names, s in rows
+    ]
 
 
 def _hypers(opt: Any) -> tuple[float, float | None]:

@@ -1,8 +1,9 @@
 """``TensorBoardLogger``: scalars and hyper-parameters of a run, for TensorBoard.
 
 Per training batch it appends the detached loss to a list (no device op, no
-sync); the losses reach Python in one transfer every ``every_n_steps`` steps
-and at epoch end. Every point is written at a global step, the optimizer steps
+sync); the losses reach Python in one transfer every ``every_n_steps`` steps.
+At epoch end it writes the epoch's record (``state["record"]``, already read)
+under ``epoch/``. Every point is written at a global step, the optimizer steps
 since the logger's first fit: epoch and step charts share one x-axis, and a
 resumed run writes each step once (see ``TensorBoardLogger``).
 """
@@ -11,21 +12,20 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from typing import Any
 
 import torch
 
 from fitlib.callback import Callback
-from fitlib.core import batch_size, to_floats
 from fitlib.optim import HPOptimizer
+from fitlib.record import Record, batch_size, to_floats
 
 _HPARAM_TYPES = (bool, int, float, str)
 _NOT_METRICS = ("epoch", "lr", "time")
 # What a resumed fit needs; each is the attribute "_" + key.
 _STATE_KEYS = (
-    "base", "epoch_base", "last_point", "interval", "epoch_sums", "sums_epoch",
-    "peak_lr", "batch_size", "auto_hparams", "tags",
+    "base", "epoch_base", "last_point", "interval", "peak_lr", "batch_size",
+    "auto_hparams", "tags",
 )  # fmt: skip
 
 
@@ -100,13 +100,10 @@ class TensorBoardLogger(Callback):
         # Losses not yet read: (device tensor, batch size) per training batch.
         self._unread: list[tuple[torch.Tensor, int]] = []
         self._interval = [0.0, 0]  # weighted loss sum and samples since the point
-        self._epoch_sums = [0.0, 0]  # the same over the epoch in progress
-        self._sums_epoch = 0  # the epoch that _epoch_sums belongs to
         self._peak_lr: float | None = None
         self._batch_size: int | None = None
         self._auto_hparams: dict = {}
         self._tags: list[str] = []  # epoch/ tags written: the HParams metrics
-        self._t0 = time.perf_counter()
         self._trained = False  # an epoch ended in this fit
 
     # -- hooks -----------------------------------------------------------------
@@ -127,19 +124,14 @@ class TensorBoardLogger(Callback):
         if iteration == 0:
             self._reset(*self._done)
         else:  # resumed: keep what load_state_dict restored, if it belongs here
-            self._drop_finished(self._base + step, epoch)
+            self._drop_finished(self._base + step)
         if not self._auto_hparams:
             self._auto_hparams = _auto_hparams(model, opt, n_epochs, max_steps)
         lr = _last_lr(opt)
         if self._peak_lr is None and type(lr) is float:
             self._peak_lr = lr
-        self._names = list(getattr(metrics, "names", []))
         self._trained = False
         self.writer = self._open_writer(purge_step=self._base + step + 1)
-
-    def on_epoch_begin(self) -> None:
-        """Runs at the start of each epoch: starts its clock."""
-        self._t0 = time.perf_counter()
 
     def on_batch_end(
         self,
@@ -164,26 +156,16 @@ class TensorBoardLogger(Callback):
         if now % self.every_n_steps == 0 and now > self._last_point:
             self._write_point(now, lr)
 
-    def on_epoch_end(
-        self, epoch: int, step: int, opt: Any, last_metrics: list | None
-    ) -> None:
-        """Runs after validation: writes the epoch's scalars (one transfer)."""
-        values = self._read(last_metrics or [])
+    def on_epoch_end(self, epoch: int, step: int, record: Record) -> None:
+        """Runs after validation: writes the epoch's record as scalars (the
+        values not computed, None, are left out)."""
         scalars = {"epoch": self._epoch_base + epoch}
-        total, n = self._epoch_sums
-        if n:
-            scalars["train_loss"] = total / n
-        if last_metrics is not None:
-            names = ["valid_loss", *self._names]
-            scalars |= dict(zip(names, values, strict=False))
-        scalars["lr"] = float(_last_lr(opt))
-        scalars["time"] = time.perf_counter() - self._t0
+        scalars |= {k: v for k, v in record.items() if k != "epoch" and v is not None}
         for name, value in scalars.items():
             self.writer.add_scalar(f"epoch/{name}", value, self._base + step)
         # The HParams tab's metrics: the losses and metrics, not epoch/lr/time.
         self._tags += [f"epoch/{k}" for k in scalars if k not in _NOT_METRICS]
         self._tags = list(dict.fromkeys(self._tags))
-        self._epoch_sums, self._sums_epoch = [0.0, 0], epoch + 1
         self._trained = True
         self.writer.flush()
 
@@ -218,18 +200,13 @@ class TensorBoardLogger(Callback):
             ) from e
         return self._writer_cls(self.log_dir, purge_step=purge_step)
 
-    def _read(self, extra: list = ()) -> list[float]:
-        """Moves the unread losses into the sums; returns ``extra`` as floats.
-
-        One host transfer for the losses and ``extra`` together.
-        """
+    def _read(self) -> None:
+        """Moves the unread losses into the interval's sums (one transfer)."""
         batches, self._unread = self._unread, []
-        values = to_floats([loss for loss, _ in batches], extra)
-        for value, (_, size) in zip(values, batches, strict=False):
-            for sums in (self._interval, self._epoch_sums):
-                sums[0] += value * size
-                sums[1] += size
-        return values[len(batches) :]
+        values = to_floats([loss for loss, _ in batches])
+        for value, (_, size) in zip(values, batches, strict=True):
+            self._interval[0] += value * size
+            self._interval[1] += size
 
     def _write_point(self, now: int, lr: Any) -> None:
         self._read()
@@ -250,15 +227,13 @@ class TensorBoardLogger(Callback):
         for summary in summaries:
             self.writer.file_writer.add_summary(summary, now)
 
-    def _drop_finished(self, now: int, epoch: int) -> None:
-        """Keeps, of a restored state, only the sums of the interval and epoch
-        in progress: a checkpoint may be taken before this logger's hooks of
-        its batch or epoch ran, and the interrupted run then wrote them."""
+    def _drop_finished(self, now: int) -> None:
+        """Keeps, of a restored state, only the sums of the interval in
+        progress: a checkpoint may be taken before this logger's hooks of its
+        batch ran, and the interrupted run then wrote them."""
         if now % self.every_n_steps == 0:
             self._interval = [0.0, 0]
         self._last_point = max(self._last_point, now - now % self.every_n_steps)
-        if self._sums_epoch != epoch:
-            self._epoch_sums, self._sums_epoch = [0.0, 0], epoch
 
     # -- saving ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -275,7 +250,9 @@ class TensorBoardLogger(Callback):
                 "Fix: pass what TensorBoardLogger.state_dict() returned."
             )
         self._reset(state["base"], state["epoch_base"])
-        for key in _STATE_KEYS:  # copies: the fit goes on changing them
+        # Copies: the fit goes on changing them (an older state's epoch sums are
+        # left out: the loop keeps those now).
+        for key in _STATE_KEYS:
             setattr(self, f"_{key}", copy.copy(state[key]))
 
     def __repr__(self) -> str:

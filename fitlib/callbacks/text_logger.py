@@ -1,6 +1,6 @@
 """``TextLogger``: training progress as lines of Python ``logging``.
 
-One line per epoch (train and validation losses, metrics, time) and, every
+One line per epoch (its record: losses, metrics, added values, time) and, every
 ``every_n_steps`` optimizer steps, one line with the samples per second, the
 learning rate and the mean loss since the previous line. Where the lines go
 (console, file) is up to the handlers you configure on the logger.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 import torch
@@ -26,24 +25,20 @@ from fitlib.callbacks.tracking import (
     check_state_keys,
     step_lr,
 )
-from fitlib.core import batch_size, to_floats
+from fitlib.record import Record, batch_size, to_floats
 
-_STATE_KEYS = (
-    "line_step",
-    "interval",
-    "seconds",
-    "epoch",
-    "epoch_loss",
-    "epoch_seconds",
-)
+_STATE_KEYS = ("line_step", "interval", "seconds")
+# What a TextLogger saved before the epoch record kept the epoch's sums.
+_OLD_STATE_KEYS = (*_STATE_KEYS, "epoch", "epoch_loss", "epoch_seconds")
 
 
 class TextLogger(Callback):
     """Logs a line per epoch, and a line every ``every_n_steps`` optimizer steps.
 
-    The epoch line: epoch, train_loss (the sample-weighted mean of the epoch's
-    training losses), valid_loss and each metric (``n/a`` when validation was
-    skipped), and the epoch's seconds. The step line (at steps that are
+    The epoch line: the epoch's record, i.e. epoch, train_loss (the
+    sample-weighted mean of the epoch's training losses), valid_loss, each
+    metric and each value added to the record (``n/a`` when not computed,
+    e.g. validation skipped), and the epoch's seconds. The step line (at steps that are
     multiples of ``every_n_steps``, state key ``step``): the step, the epoch,
     the mean training loss per sample since the previous step line, the lr of
     the last parameter group used by the latest step, and samples per second
@@ -85,29 +80,21 @@ class TextLogger(Callback):
         self.logger = _as_logger(logger)
         self.every_n_steps = check_every_n_steps(every_n_steps, "TextLogger", True)
         self.level = _as_level(level)
-        self._names: list[str] = []
         self._reset()
 
     def _reset(self) -> None:
-        self._interval, self._epoch_loss = RunningLoss(), RunningLoss()
+        self._interval = RunningLoss()
         self._clock = TrainClock()
         self._line_step = 0  # the step of the latest step line
-        self._loss_epoch: int | None = None  # the epoch _epoch_loss sums
-        self._epoch_seconds, self._epoch_t0 = 0.0, time.perf_counter()
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, iteration: int, metrics: Any) -> None:
+    def on_train_begin(self, iteration: int) -> None:
         """Runs before training: starts afresh, unless the fit is resumed."""
-        self._names = list(getattr(metrics, "names", None) or [])
         if iteration == 0:
             self._reset()
 
-    def on_epoch_begin(self, epoch: int) -> None:
-        """Runs at each epoch's start: starts its loss sum and clocks."""
-        if epoch != self._loss_epoch:  # not an epoch resumed part way
-            self._epoch_loss.reset()
-            self._epoch_seconds, self._loss_epoch = 0.0, epoch
-        self._epoch_t0 = time.perf_counter()
+    def on_epoch_begin(self) -> None:
+        """Runs at each epoch's start: the training clock runs."""
         self._clock.resume()
 
     def on_batch_end(
@@ -124,25 +111,18 @@ class TextLogger(Callback):
         if not train:
             self._clock.pause()  # validation is not training time
             return
-        size = batch_size(last_target, last_input)
-        self._interval.add(last_loss, size)
-        self._epoch_loss.add(last_loss, size)
+        if self.every_n_steps is None:
+            return  # epoch lines only: they read the record
+        self._interval.add(last_loss, batch_size(last_target, last_input))
         n = self.every_n_steps
         if n and step % n == 0 and step > self._line_step:
             self._log_steps(step, epoch, opt)
 
-    def on_epoch_end(self, epoch: int, last_metrics: list | None) -> None:
-        """Runs after validation: logs the epoch's line (one host transfer)."""
+    def on_epoch_end(self, record: Record) -> None:
+        """Runs after validation: logs the epoch's record as a line."""
         self._clock.pause()
         if self.logger.isEnabledFor(self.level):
-            sums = self._epoch_loss.pending()
-            values = to_floats(sums, last_metrics or [])
-            train = self._epoch_loss.mean(values[: len(sums)])
-            seconds = self._epoch_seconds + time.perf_counter() - self._epoch_t0
-            valid = None if last_metrics is None else values[len(sums) :]
-            self.logger.log(self.level, self._epoch_line(epoch, train, valid, seconds))
-        self._epoch_loss.reset()
-        self._loss_epoch = None
+            self.logger.log(self.level, _epoch_line(record))
 
     # -- lines -----------------------------------------------------------------
     def _log_steps(self, step: int, epoch: int, opt: Any) -> None:
@@ -160,44 +140,24 @@ class TextLogger(Callback):
             f"{speed:.1f} samples/s",
         )
 
-    def _epoch_line(
-        self, epoch: int, train: float, valid: list[float] | None, seconds: float
-    ) -> str:
-        names = ["valid_loss", *self._names]
-        if valid is None:
-            cells = [f"{name} n/a" for name in names]
-        else:
-            cells = [f"{name} {v:.6g}" for name, v in zip(names, valid, strict=False)]
-        return " ".join([f"epoch {epoch}: train_loss {train:.6g}", *cells]) + (
-            f" time {seconds:.2f}s"
-        )
-
     # -- saving ----------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The step counter and the sums since the last lines (one sync)."""
-        elapsed = 0.0
-        if self._loss_epoch is not None:
-            elapsed = self._epoch_seconds + time.perf_counter() - self._epoch_t0
+        """The step counter and the sums since the last step line (one sync)."""
         return {
             "line_step": self._line_step,
             "interval": self._interval.state_dict(),
             "seconds": self._clock.elapsed(),
-            "epoch": self._loss_epoch,
-            "epoch_loss": self._epoch_loss.state_dict(),
-            "epoch_seconds": elapsed,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``: the next lines continue those sums."""
-        check_state_keys(state, _STATE_KEYS, "TextLogger")
+        if not (isinstance(state, dict) and set(state) == set(_OLD_STATE_KEYS)):
+            check_state_keys(state, _STATE_KEYS, "TextLogger")
         self._reset()
         self._line_step = int(state["line_step"])
         self._interval.load_state_dict(state["interval"])
         self._clock.reset(state["seconds"])
         self._clock.pause()  # until the resumed epoch begins
-        self._loss_epoch = state["epoch"]
-        self._epoch_loss.load_state_dict(state["epoch_loss"])
-        self._epoch_seconds = float(state["epoch_seconds"])
 
     def __repr__(self) -> str:
         return (
@@ -205,6 +165,16 @@ class TextLogger(Callback):
             f"every_n_steps={self.every_n_steps}, "
             f"level={logging.getLevelName(self.level)})"
         )
+
+
+def _epoch_line(record: Record) -> str:
+    """``epoch 0: train_loss 0.871234 valid_loss 0.734512 ... time 0.41s``."""
+    cells = [
+        f"{name} {'n/a' if v is None else format(v, '.6g')}"
+        for name, v in record.items()
+        if name not in ("epoch", "lr", "time")
+    ]
+    return f"epoch {record['epoch']}: {' '.join(cells)} time {record['time']:.2f}s"
 
 
 def _as_logger(logger: Any) -> logging.Logger:

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_data, make_dataset, make_model
+from helpers import make_data, make_dataset, make_model, scripted_record
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
@@ -23,8 +23,9 @@ def feed(cb, values, first_epoch=0, model=None):
     stops = []
     for epoch, v in enumerate(values, first_epoch):
         last = None if v is None else [torch.tensor(v, dtype=torch.float64)]
+        record = scripted_record(last_metrics=last, epoch=epoch)
         update = call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=last,
-                           model=model)  # fmt: skip
+                           record=record, model=model)  # fmt: skip
         if update is not None:
             assert update == {"stop_training": True}
             stops.append(epoch)
@@ -79,7 +80,9 @@ def test_auto_mode_knows_which_way_metrics_improve(monitor, values, stops):
     for epoch, v in enumerate(values):
         last = [torch.tensor(9.0)] * 3
         last[index] = torch.tensor(v)
-        if call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=last):
+        names = ["accuracy", "error_rate"]
+        record = scripted_record(last_metrics=last, names=names, epoch=epoch)
+        if call_hook(cb, "on_epoch_end", epoch=epoch, record=record):
             got.append(epoch)
             break
     assert got == stops

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_data
+from helpers import make_data, scripted_record
 
 from fitlib import DataBunch
 from fitlib.callbacks.monitor import Monitor, direction
@@ -90,54 +90,42 @@ def test_a_validation_value_without_a_valid_dl_raises_at_start():
 
 
 # -- reading ---------------------------------------------------------------------
-def test_reads_valid_loss_and_metrics_from_last_metrics():
+def test_reads_valid_loss_and_metrics_from_the_record():
     last = [torch.tensor(0.5), torch.tensor(0.75), torch.tensor(0.25)]
-    assert started("valid_loss", [accuracy, error_rate]).read(last) == 0.5
-    assert started("accuracy", [accuracy, error_rate]).read(last) == 0.75
-    assert started("error_rate", [accuracy, error_rate]).read(last) == 0.25
-    assert type(started("accuracy", [accuracy]).read(last)) is float
+    record = scripted_record([2.0], [4], last, names=["accuracy", "error_rate"])
+    assert started("valid_loss", [accuracy, error_rate]).read(record) == 0.5
+    assert started("accuracy", [accuracy, error_rate]).read(record) == 0.75
+    assert started("error_rate", [accuracy, error_rate]).read(record) == 0.25
+    assert started("train_loss").read(record) == 2.0
+    assert type(started("accuracy", [accuracy]).read(record)) is float
 
 
 def test_a_skipped_validation_gives_no_value():
-    assert started("valid_loss").read(None) is None
-    assert started("accuracy", [accuracy]).read(None) is None
+    record = scripted_record([1.0], [2], None, names=["accuracy"])
+    assert started("valid_loss").read(record) is None
+    assert started("accuracy", [accuracy]).read(record) is None
+    assert started("train_loss").read(record) == 1.0  # still computed
 
 
-def test_train_loss_is_the_sample_weighted_mean_of_the_epochs_batches():
-    m = started("train_loss")
-    assert m.needs_train_loss and not Monitor("valid_loss").needs_train_loss
-    for loss, size in [(1.0, 4), (2.0, 4), (6.0, 2)]:
-        m.add_batch(torch.tensor(loss), size)
-    # (4*1 + 4*2 + 2*6) / 10 = 2.4; the mean of the batch means would be 3.0
-    assert m.read([torch.tensor(99.0)]) == pytest.approx(2.4)
-    assert m.read(None) is None  # the batches were consumed by the read
-    m.add_batch(torch.tensor(5.0), 3)
-    assert m.read(None) == 5.0  # validation skipped: the train loss still exists
+def test_a_loss_part_is_checked_at_the_first_record_listing_the_names():
+    m = started("valid_ce")  # could be a loss part: known at the first batch
+    with pytest.raises(ValueError, match=r"valid_ce.*not in the epoch's record"):
+        m.read(scripted_record([1.0], [2], [torch.tensor(0.5)]))
+    record = {"epoch": 0, "valid_loss": 0.5, "valid_ce": 0.25, "time": 1.0}
+    assert m.read(record) == 0.25
 
 
-def test_reading_train_loss_is_one_host_transfer(monkeypatch):
-    m = started("train_loss")
-    for i in range(20):
-        m.add_batch(torch.tensor(float(i)), 8)
-    calls = []
-    for name in ("tolist", "item", "__float__", "cpu"):
-        original = getattr(torch.Tensor, name)
+def test_names_declared_by_callbacks_and_training_metrics_are_known_at_start():
+    from fitlib import Callback
 
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            calls.append(_name)
-            return _original(self, *args, **kwargs)
+    class Adds(Callback):
+        record_names = ("grad_norm",)
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    assert m.read(None) == pytest.approx(9.5)
-    assert calls == ["tolist"]
-
-
-def test_start_forgets_batches_of_an_interrupted_epoch():
-    m = started("train_loss")
-    m.add_batch(torch.tensor(100.0), 4)
-    m.start(Metrics([]))
-    m.add_batch(torch.tensor(1.0), 4)
-    assert m.read(None) == 1.0
+    m = Monitor("grad_norm", mode="min")
+    m.start(Metrics([]), None, Metrics([accuracy]), [Adds()])
+    Monitor("train_accuracy").start(Metrics([]), None, Metrics([accuracy]), [])
+    with pytest.raises(ValueError, match="record_names"):
+        Monitor("grad_norm", mode="min").start(Metrics([]), None, None, [])
 
 
 # -- improvement -----------------------------------------------------------------
@@ -201,30 +189,3 @@ def test_load_state_dict_refuses_the_state_of_another_quantity_or_a_bad_dict():
         Monitor("accuracy", mode="min").load_state_dict(state)
     with pytest.raises(ValueError, match="keys 'best', 'mode', 'monitor'"):
         Monitor("accuracy").load_state_dict({"best": 0.5})
-
-
-def test_under_several_processes_train_loss_is_the_mean_over_all_ranks(monkeypatch):
-    """Every rank must reach the same decision: the value is the global mean."""
-    from fitlib import distributed as fd
-
-    shards = {0: ([1.0, 3.0], [2, 2]), 1: ([5.0], [4])}  # losses, batch sizes
-    pairs = {}
-    monkeypatch.setattr(fd, "world_size", lambda: 2)
-    for rank in (0, 1):
-        m = Monitor("train_loss")
-        m.start(Metrics([]))
-        for loss, size in zip(*shards[rank], strict=True):
-            m.add_batch(torch.tensor(loss), size)
-        pairs[rank] = m
-    values = []
-    for rank in (0, 1):
-        other = 1 - rank
-        monkeypatch.setattr(fd, "rank", lambda rank=rank: rank)
-        losses, sizes = shards[other]
-        other_pair = torch.tensor(
-            [sum(v * s for v, s in zip(losses, sizes)), float(sum(sizes))],
-            dtype=torch.float64,
-        )
-        monkeypatch.setattr(fd, "all_reduce_sum", lambda t, o=other_pair: t + o)
-        values.append(pairs[rank].read(None))
-    assert values == [pytest.approx((2 + 6 + 20) / 8)] * 2

@@ -4,12 +4,12 @@ import random
 
 import pytest
 import torch
-from helpers import make_data, make_dataset, make_model
+from helpers import make_data, make_dataset, make_model, scripted_record
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
 from fitlib import DataBunch, HPOptimizer, fit
-from fitlib.callback import call_hook
+from fitlib.callback import CallbackHandler, call_hook
 from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy
@@ -37,7 +37,8 @@ def feed(cb, opt, values, first_epoch=0):
     lrs = []
     for epoch, v in enumerate(values, first_epoch):
         last = None if v is None else [torch.tensor(v, dtype=torch.float64)]
-        call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=last, opt=opt)
+        record = scripted_record(last_metrics=last, epoch=epoch)
+        call_hook(cb, "on_epoch_end", epoch=epoch, record=record, opt=opt)
         lrs.append(opt.get("lr"))
     return lrs
 
@@ -128,7 +129,8 @@ def test_a_metric_in_max_mode_reduces_when_it_stops_rising():
     begin(cb, opt, metrics=(accuracy,))
     for epoch, acc in enumerate([0.5, 0.6, 0.7, 0.7]):
         last = [torch.tensor(9.0), torch.tensor(acc)]  # valid_loss is ignored
-        call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=last, opt=opt)
+        record = scripted_record(last_metrics=last, names=["accuracy"], epoch=epoch)
+        call_hook(cb, "on_epoch_end", epoch=epoch, record=record, opt=opt)
     assert cb.reductions == [3] and opt.lr == 0.05
 
 
@@ -146,18 +148,23 @@ def test_an_epoch_without_validation_changes_nothing():
 def test_monitoring_train_loss_uses_training_batches_even_without_validation():
     opt = make_opt()
     cb = ReduceLROnPlateau("train_loss", factor=0.5)
-    begin(cb, opt)
-    for epoch, losses in enumerate([[2.0, 1.0], [1.0, 2.0]]):  # means 1.6, 1.4
-        for loss, bs in zip(losses, [3, 2]):
-            call_hook(cb, "on_batch_end", train=True, last_loss=torch.tensor(loss),
-                      last_target=torch.zeros(bs))  # fmt: skip
+    handler = CallbackHandler([cb])
+    handler.on_train_begin(3, opt=opt, metrics=Metrics([accuracy]))
+
+    def epoch(losses, sizes):
+        handler.on_epoch_begin()
+        for loss, bs in zip(losses, sizes):
+            handler.on_batch_begin(torch.zeros(bs, 2), torch.zeros(bs))
+            handler.on_batch_end(torch.tensor(loss))
         # validation batches are not training losses
-        call_hook(cb, "on_batch_end", train=False, last_loss=torch.tensor(0.0))
-        call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=None, opt=opt)
+        handler.on_batch_begin(torch.zeros(5, 2), torch.zeros(5), train=False)
+        handler.on_batch_end(torch.tensor(0.0))
+        handler.on_epoch_end(None)  # validation skipped: no valid_loss
+
+    epoch([2.0, 1.0], [3, 2])  # mean 1.6
+    epoch([1.0, 2.0], [3, 2])  # mean 1.4
     assert cb.monitor.best == pytest.approx(1.4) and cb.reductions == []
-    call_hook(cb, "on_batch_end", train=True, last_loss=torch.tensor(1.5),
-              last_target=torch.zeros(4))  # fmt: skip
-    call_hook(cb, "on_epoch_end", epoch=2, last_metrics=None, opt=opt)
+    epoch([1.5], [4])
     assert cb.reductions == [2] and opt.lr == 0.05
 
 

@@ -5,7 +5,7 @@ import sys
 import matplotlib.pyplot as plt
 import pytest
 import torch
-from helpers import make_data, make_model
+from helpers import make_data, make_model, scripted_record
 from matplotlib.axes import Axes
 from torch.nn import functional as F  # noqa: N812
 
@@ -50,7 +50,8 @@ def drive_epoch(rec, losses, sizes, last_metrics, opt=None, valid_batches=2):
             last_loss=torch.tensor(99.0),
             last_target=torch.zeros(5),
         )
-    call_hook(rec, "on_epoch_end", last_metrics=last_metrics)
+    record = scripted_record(losses, sizes, last_metrics, rec.metric_names)
+    call_hook(rec, "on_epoch_end", last_metrics=last_metrics, record=record)
 
 
 def train(callbacks, epochs=2, data=None, metrics=(accuracy,), lr=0.1, mom=0.9):
@@ -161,7 +162,9 @@ def test_reading_losses_mid_epoch_keeps_the_epoch_mean_exact():
     for i, (loss, bs) in enumerate([(1.0, 4), (2.0, 4), (6.0, 2)]):
         record_step(rec, loss, bs, opt)
         assert len(rec.losses) == i + 1  # a read moves the pending steps
-    call_hook(rec, "on_epoch_end", last_metrics=[torch.tensor(1.0)])
+    valid = [torch.tensor(1.0)]
+    record = scripted_record([1.0, 2.0, 6.0], [4, 4, 2], valid)
+    call_hook(rec, "on_epoch_end", last_metrics=valid, record=record)
     assert rec.train_losses == [pytest.approx(2.4)]
 
 
@@ -591,8 +594,13 @@ def run_steps(rec, first, stop):
         loss, bs, lr, mom = script(i)
         record_step(rec, loss, bs, FakeOpt({"lr": lr, "momentum": mom}))
         if (i + 1) % PER_EPOCH == 0:
-            last = [torch.tensor(valid_loss(i // PER_EPOCH))]
-            call_hook(rec, "on_epoch_end", last_metrics=last)
+            epoch = i // PER_EPOCH
+            last = [torch.tensor(valid_loss(epoch))]
+            # The loop's record: the whole epoch's losses (resumed or not).
+            steps = [script(k) for k in range(i + 1 - PER_EPOCH, i + 1)]
+            losses, sizes = [s[0] for s in steps], [s[1] for s in steps]
+            record = scripted_record(losses, sizes, last, epoch=epoch)
+            call_hook(rec, "on_epoch_end", last_metrics=last, record=record)
 
 
 def history(rec):
@@ -743,7 +751,7 @@ def test_loads_a_state_saved_with_one_point_per_step_and_no_budget():
     full = Recorder(max_points=10_000)
     run_steps(full, 0, 30)  # stops 10 steps into the second epoch
     old = {k: v for k, v in full.state_dict().items()}
-    for key in ("steps_per_point", "partial", "epoch_loss"):  # what HEAD saved
+    for key in ("steps_per_point", "partial", "rows"):  # what 0.1 first saved
         del old[key]
     rec = Recorder(max_points=8)
     rec.load_state_dict(old)

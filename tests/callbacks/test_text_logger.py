@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from helpers import make_dataset, make_model
+from helpers import make_dataset, make_model, scripted_record
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
@@ -107,7 +107,9 @@ def test_the_epoch_line_has_losses_metrics_and_time(logs, clock):
         batch(cb, loss, size, step=i + 1)
     clock["now"] = 1.5
     last = [torch.tensor(0.5), torch.tensor(0.75)]
-    call_hook(cb, "on_epoch_end", epoch=0, last_metrics=last)
+    losses, sizes = [1.0, 2.0, 6.0], [4, 4, 2]
+    record = scripted_record(losses, sizes, last, ["accuracy"], seconds=1.5)
+    call_hook(cb, "on_epoch_end", epoch=0, record=record)
     assert lines(logs) == [
         "epoch 0: train_loss 2.4 valid_loss 0.5 accuracy 0.75 time 1.50s"
     ]
@@ -118,7 +120,8 @@ def test_a_skipped_validation_says_n_a(logs):
     begin(cb)
     call_hook(cb, "on_epoch_begin", epoch=3)
     batch(cb, 2.0, 3, step=1, epoch=3)
-    call_hook(cb, "on_epoch_end", epoch=3, last_metrics=None)
+    record = scripted_record([2.0], [3], None, ["accuracy"], epoch=3)
+    call_hook(cb, "on_epoch_end", epoch=3, record=record)
     assert lines(logs)[0].startswith(
         "epoch 3: train_loss 2 valid_loss n/a accuracy n/a time"
     )
@@ -160,7 +163,8 @@ def test_validation_time_is_left_out_of_the_speed(logs, clock):
     batch(cb, 1.0, 10, step=1)
     batch(cb, 1.0, 10, step=1, train=False)  # validation from t=1 ...
     clock["now"] = 101.0
-    call_hook(cb, "on_epoch_end", epoch=0, last_metrics=[torch.tensor(1.0)])
+    record = scripted_record([1.0], [10], [torch.tensor(1.0)])
+    call_hook(cb, "on_epoch_end", epoch=0, record=record)
     call_hook(cb, "on_epoch_begin", epoch=1)  # ... to t=101
     clock["now"] = 102.0
     batch(cb, 1.0, 10, step=2, epoch=1)
@@ -174,7 +178,9 @@ def test_a_disabled_logger_reads_nothing_and_logs_nothing(caplog, sync_counter):
     call_hook(cb, "on_epoch_begin", epoch=0)
     before = sync_counter["n"]
     batch(cb, 1.0, 2, step=1)
-    call_hook(cb, "on_epoch_end", epoch=0, last_metrics=[torch.tensor(1.0)])
+    record = scripted_record([1.0], [2], [1.0])  # (the loop reads it, not the logger)
+    before = sync_counter["n"]
+    call_hook(cb, "on_epoch_end", epoch=0, record=record)
     assert sync_counter["n"] == before
     assert lines(caplog) == []
 

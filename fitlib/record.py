@@ -1,0 +1,395 @@
+"""The epoch record: one named dict of an epoch's values, and the sums behind it.
+
+``EpochTally`` keeps, on the device, what an epoch's record needs from its
+batches: the sample-weighted sum of the training losses, the parts of a loss
+that returns a dict (training and validation), the training metrics, and the
+epoch's clock. At the epoch's end ``EpochTally.record`` reads all of it and the
+validation values in one host transfer, and returns the record:
+
+    {"epoch": 0, "train_loss": 0.91, "valid_loss": 0.72, "accuracy": 0.66,
+     "train_accuracy": 0.70, "train_ce": ..., "valid_ce": ..., "lr": 0.1,
+     "time": 0.41}
+
+A value that was not computed in the epoch (validation skipped, no training
+batch) is None. The handler (``fitlib.callback``) owns the tally, puts the
+record in ``state["record"]`` before ``on_epoch_end`` and merges the values
+callbacks add (``add_values``). Not a callback.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fitlib import distributed
+from fitlib.errors import describe
+from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
+
+Record = dict[str, Any]
+# Values the loop owns: a callback may not add a value of these names.
+LOOP_KEYS = ("epoch", "train_loss", "valid_loss", "lr", "time")
+# Batches whose losses wait as separate tensors: then they are summed into
+# one on the device (no sync), so an epoch of any length keeps little.
+FOLD = 1024
+
+
+def to_floats(scalars: list[torch.Tensor], extra: Iterable = ()) -> list[float]:
+    """0-dim tensors (one device), then ``extra``, as floats in one host transfer.
+
+    This is the one sync an epoch end needs: stack on the device, then copy.
+    """
+    groups = [list(scalars), [torch.as_tensor(v).reshape(()) for v in extra]]
+    groups = [g for g in groups if g]
+    if not groups:
+        return []
+    device = groups[0][0].device
+    dtype = accumulation_dtype(device)
+    # Stacking each group apart: one stack of mixed dtypes is 4x slower.
+    return torch.cat([torch.stack(g).to(device, dtype) for g in groups]).tolist()
+
+
+def batch_size(yb: Any, xb: Any = None) -> int:
+    """The number of samples in a batch, read from the targets (or inputs)."""
+    for part in (yb, xb):
+        t = first_tensor(part)
+        if t is not None and t.ndim:
+            return t.shape[0]
+    return 1
+
+
+def first_tensor(x: Any) -> torch.Tensor | None:
+    """The first tensor in a tensor, tuple, list or dict (nested), or None."""
+    while isinstance(x, (tuple, list, dict)) and x:
+        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
+    return x if isinstance(x, torch.Tensor) else None
+
+
+class RunningLoss:
+    """A sample-weighted sum of losses, kept as device tensors until read.
+
+    ``add`` only appends (no sync; every ``FOLD`` batches one device op sums
+    them, so memory stays bounded); ``pending`` gives the sum as a device
+    tensor to read together with other values in one transfer; ``mean`` turns
+    what was read into the mean. ``state_dict`` reads the sum (one sync: call
+    it when saving), and a restored sum is added in.
+
+    Example:
+        >>> loss = RunningLoss()
+        >>> loss.add(torch.tensor(1.0), 4); loss.add(torch.tensor(6.0), 1)
+        >>> loss.mean(to_floats(loss.pending()))
+        2.0
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self, total: float = 0.0, count: int = 0) -> None:
+        """Forgets the losses; ``total`` and ``count`` start the sums (restored)."""
+        self._losses: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+        self._folded: torch.Tensor | None = None  # the sum of earlier batches
+        self._folded_count = 0
+        self._total, self._count = float(total), int(count)
+
+    def add(self, loss: torch.Tensor, size: int) -> None:
+        """Adds a batch's detached loss (a mean over ``size`` samples)."""
+        self._losses.append(loss)
+        self._sizes.append(size)
+        if len(self._losses) >= FOLD:
+            self._folded = self.pending()[0]
+            self._folded_count += sum(self._sizes)
+            self._losses, self._sizes = [], []
+
+    @property
+    def samples(self) -> int:
+        """The number of samples added (restored ones included)."""
+        return self._count + self._folded_count + sum(self._sizes)
+
+    @property
+    def restored(self) -> tuple[float, int]:
+        """The sum and count that ``reset`` (or ``load_state_dict``) started from."""
+        return self._total, self._count
+
+    def pending(self) -> list[torch.Tensor]:
+        """``[sum of size * loss]`` over the batches added, or ``[]`` if none."""
+        parts = [self._folded] if self._folded is not None else []
+        if self._losses:
+            parts.append(weighted_sum(self._losses, self._sizes))
+        return [parts[0] + parts[1]] if len(parts) == 2 else parts
+
+    def mean(self, read: list[float]) -> float:
+        """The mean loss per sample, given ``pending()`` read as floats."""
+        n = self.samples
+        return (self._total + sum(read)) / n if n else math.nan
+
+    def state_dict(self) -> dict:
+        """The sum and count as python numbers (reads the device: one sync)."""
+        total = self._total + sum(to_floats(self.pending()))
+        return {"total": total, "count": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``: later batches add to the restored sum."""
+        self.reset(state["total"], state["count"])
+
+
+class EpochTally:
+    """The device-side sums of the epoch in progress, read once at its end.
+
+    ``start`` begins an epoch (sums at zero, clock running); ``add_batch`` adds
+    a batch's loss, loss parts and (training) metric inputs without a sync;
+    ``record`` reads everything with the validation values in one host
+    transfer. ``state_dict``/``load_state_dict`` save and restore an epoch in
+    progress (``Checkpoint`` does), so a resumed epoch's record is exact.
+
+    Under ``torch.distributed`` the training sums are added over the processes
+    (one collective with the training metrics), so every process gets the
+    same record.
+
+    Args:
+        train_metrics: the metrics computed over the training batches (each
+            reported as ``train_<name>``).
+
+    Example:
+        >>> tally = EpochTally(Metrics([accuracy]))
+        >>> tally.start()
+        >>> tally.add_batch(loss, 32, True, None, out, (yb,))
+        >>> tally.record(0, [valid_loss, acc], ["accuracy"], lr=0.1)["train_loss"]
+    """
+
+    def __init__(self, train_metrics: Metrics | None = None) -> None:
+        self.train_metrics = train_metrics if train_metrics else Metrics(None)
+        self._checked = False  # the metrics' inputs, at the first batch
+        self.start()
+
+    def start(self) -> None:
+        """Begins an epoch: every sum at zero, the clock from now."""
+        self.loss = RunningLoss()
+        self.parts: dict[str, RunningLoss] = {}  # "train_ce", "valid_ce", ...
+        self.train_metrics.reset()
+        self._metric_batches = 0  # training batches the metrics saw
+        self._seconds, self._t0 = 0.0, time.perf_counter()
+
+    def add_batch(
+        self,
+        loss: torch.Tensor,
+        size: int,
+        train: bool,
+        parts: dict[str, torch.Tensor] | None,
+        output: Any = None,
+        targets: Any = (),
+    ) -> None:
+        """Adds a batch (detached tensors; no sync). Validation batches bring
+        only their loss parts: ``validate`` sums their loss itself."""
+        if train:
+            self.loss.add(loss, size)
+            if self.train_metrics:
+                self._update_metrics(output, targets)
+        if parts:
+            prefix = "train_" if train else "valid_"
+            for name, value in parts.items():
+                key = prefix + name
+                if key not in self.parts:
+                    self.parts[key] = RunningLoss()
+                self.parts[key].add(value, size)
+
+    def _update_metrics(self, output: Any, targets: Any) -> None:
+        targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+        with torch.no_grad():
+            if not self._checked:  # the first training batch of the fit
+                self.train_metrics.check(output, targets)
+                self._checked = True
+            self.train_metrics.update(output, targets)
+        self._metric_batches += 1
+
+    def record(
+        self,
+        epoch: int,
+        valid: list[torch.Tensor] | None,
+        metric_names: list[str],
+        lr: float,
+    ) -> Record:
+        """The epoch's record, every device value read in one host transfer.
+
+        ``valid`` is ``[valid_loss, *metrics]`` (None: validation skipped).
+        """
+        train_names = [f"train_{n}" for n in self.train_metrics.names]
+        losses = [self.loss, *self.parts.values()]
+        if distributed.world_size() > 1:  # every process: the same record
+            device, finish, metrics = self._reduced(losses)
+        else:
+            device, finish = _local(losses)
+            metrics = self._train_metrics()
+        values = iter(to_floats(device, [*metrics, *(valid or [])]))
+        means = finish(values)
+        record: Record = {"epoch": epoch, "train_loss": means[0]}
+        trained = [next(values) for _ in metrics] or [None] * len(train_names)
+        read_valid = [next(values) for _ in valid or []]
+        names = ["valid_loss", *metric_names]
+        record |= dict(zip(names, read_valid or [None] * len(names), strict=True))
+        record |= dict(zip(train_names, trained, strict=True))
+        record |= dict(zip(self.parts, means[1:], strict=True))
+        # After the transfer, which waited for the device: the epoch's real time.
+        return record | {"lr": lr, "time": self.seconds()}
+
+    def seconds(self) -> float:
+        """Wall-clock seconds of the epoch so far (before a resume included)."""
+        return self._seconds + time.perf_counter() - self._t0
+
+    def _train_metrics(self) -> list[torch.Tensor]:
+        if not self.train_metrics or not self._metric_batches:
+            return []  # reported as None: nothing to compute them on
+        return self.train_metrics.compute()
+
+    def _reduced(self, losses: list[RunningLoss]) -> tuple[list, Any, list]:
+        """The loss sums and counts, and the training metrics, summed over the
+        processes in one collective."""
+        zero = torch.zeros((), dtype=torch.float64)
+        totals = []
+        for loss in losses:
+            pending = loss.pending()
+            total = pending[0].double() if pending else zero
+            totals.append(total + loss.restored[0])
+        device = totals[0].device if losses else zero.device
+        counts = [float(loss.samples) for loss in losses]
+        extra = [*(t.to(device) for t in totals), torch.tensor(counts, device=device)]
+        metrics = self.train_metrics
+        if metrics.reducer is None:
+            metrics.reducer = distributed.all_reduce_sum
+        # Every process trains as many batches (a DistributedSampler), so all
+        # of them take part in this one collective, or none.
+        summed = metrics.reduce([torch.stack(extra[:-1]), extra[-1]])
+        trained = metrics.compute() if metrics and self._metric_batches else []
+        n = len(losses)
+
+        def finish(values: Iterable[float]) -> list[float | None]:
+            read = [next(values) for _ in range(2 * n)]
+            return [t / c if c else None for t, c in zip(read[:n], read[n:],
+                                                        strict=True)]  # fmt: skip
+
+        return [*summed[0], *summed[1]], finish, trained
+
+    # -- saving ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The epoch's sums so far as plain values (reads the device: a sync)."""
+        metrics = None
+        if self.train_metrics and self._metric_batches:
+            metrics = self._metric_sums()
+        return {
+            "loss": self.loss.state_dict(),
+            "parts": {k: p.state_dict() for k, p in self.parts.items()},
+            "train_metrics": metrics,
+            "metric_batches": self._metric_batches,
+            "seconds": self.seconds(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict``: the epoch continues from those sums."""
+        self.start()
+        self.loss.load_state_dict(state["loss"])
+        for key, part in state["parts"].items():
+            self.parts[key] = RunningLoss()
+            self.parts[key].load_state_dict(part)
+        if state["train_metrics"] is not None:
+            for m, sums in zip(
+                self.train_metrics.metrics, state["train_metrics"], strict=True
+            ):
+                m.load_sums([torch.as_tensor(s) for s in sums])
+            self._metric_batches = int(state["metric_batches"])
+        self._seconds = float(state["seconds"])
+
+    def _metric_sums(self) -> list | None:
+        names = self.train_metrics.names
+        try:
+            return [[s.cpu() for s in m.sums()] for m in self.train_metrics.metrics]
+        except NotImplementedError:
+            warnings.warn(
+                f"fitlib: the training metrics {names} cannot be saved in the "
+                "middle of an epoch (a metric has no sums()); after a resume "
+                "their values of that epoch count only the batches trained "
+                "after it. Fix: give the metric sums() and load_sums().",
+                stacklevel=2,
+            )
+            return None
+
+
+def step_lr(opt: Any) -> float:
+    """The lr of the last parameter group, as the latest ``opt.step()`` used it.
+
+    ``HPOptimizer.stepped`` notes it in ``step()``, before a scheduler sets the
+    next one; otherwise (no step yet) the group's current lr. NaN without opt.
+    """
+    if opt is None:
+        return math.nan
+    stepped = getattr(opt, "stepped", None)
+    return float(stepped[0] if stepped else opt.param_groups[-1]["lr"])
+
+
+def _local(losses: list[RunningLoss]) -> tuple[list[torch.Tensor], Any]:
+    """The pending loss sums to read, and how to turn what was read into the
+    means per sample (None where no sample was added)."""
+    pending = [loss.pending() for loss in losses]
+
+    def finish(values: Iterable[float]) -> list[float | None]:
+        return [
+            loss.mean([next(values) for _ in p]) if loss.samples else None
+            for loss, p in zip(losses, pending, strict=True)
+        ]
+
+    return [t for p in pending for t in p], finish
+
+
+def check_added(owner: str, record: Record, values: Any, declared: tuple) -> Record:
+    """The values a callback adds to ``record``, checked, as python numbers.
+
+    Raises a TypeError/ValueError naming ``owner`` and the value's name for a
+    name that is not a str, exists already, was not declared in the
+    callback's ``record_names``, or a value that is not a number or a
+    one-element tensor. Device tensors are read in one host transfer.
+    """
+    if not isinstance(values, dict):
+        raise TypeError(
+            f"{owner} returned record={describe(values)}; it must be a dict of "
+            "names to numbers. Fix: return {'record': {'my_value': 0.5}}."
+        )
+    for name, value in values.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"{owner} added a value named {name!r} to the epoch record; "
+                "names are non-empty str. Fix: e.g. {'record': {'grad_norm': g}}."
+            )
+        if name in record:
+            raise ValueError(
+                f"{owner} added {name!r} to the epoch record, which already has "
+                f"it (the record holds {list(record)}). Fix: give the value "
+                "another name."
+            )
+        if name not in declared:
+            raise ValueError(
+                f"{owner} added {name!r} to the epoch record without declaring "
+                f"it (its record_names are {list(declared)}). Fix: list it in "
+                f"the class, e.g. record_names = ({name!r},), so loggers and "
+                "monitors know it before training."
+            )
+        _check_scalar(owner, name, value)
+    tensors = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    read = to_floats([], [values[k].detach().reshape(()) for k in tensors])
+    numbers = {k: v if v is None else float(v) for k, v in values.items()}
+    return numbers | dict(zip(tensors, read, strict=True))
+
+
+def _check_scalar(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return
+    ok = value is None or (isinstance(value, (int, float)) and not isinstance(
+        value, bool))  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"{owner} added {name!r} = {describe(value)} to the epoch record; a "
+            "record value is one number: an int, a float, a one-element tensor "
+            "or None (not computed). Fix: reduce it first, e.g. t.mean()."
+        )
