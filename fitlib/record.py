@@ -164,6 +164,9 @@ class EpochTally:
     def __init__(self, train_metrics: Metrics | None = None) -> None:
         self.train_metrics = train_metrics if train_metrics else Metrics(None)
         self._checked = False  # the metrics' inputs, at the first batch
+        # The loss parts seen in this fit: each has a train_ and a valid_
+        # value in every record from then on (None where not computed).
+        self.part_names: list[str] = []
         self.start()
 
     def start(self) -> None:
@@ -172,6 +175,7 @@ class EpochTally:
         self.parts: dict[str, RunningLoss] = {}  # "train_ce", "valid_ce", ...
         self.train_metrics.reset()
         self._metric_batches = 0  # training batches the metrics saw
+        self._restored: list | None = None  # their sums before a resume
         self._seconds, self._t0 = 0.0, time.perf_counter()
 
     def add_batch(
@@ -195,6 +199,8 @@ class EpochTally:
                 key = prefix + name
                 if key not in self.parts:
                     self.parts[key] = RunningLoss()
+                    if name not in self.part_names:
+                        self.part_names.append(name)
                 self.parts[key].add(value, size)
 
     def _update_metrics(self, output: Any, targets: Any) -> None:
@@ -218,6 +224,11 @@ class EpochTally:
         ``valid`` is ``[valid_loss, *metrics]`` (None: validation skipped).
         """
         train_names = [f"train_{n}" for n in self.train_metrics.names]
+        if self._restored is not None:  # the sums from before a resume join in
+            for m, sums in zip(self.train_metrics.metrics, self._metric_sums(),
+                               strict=True):  # fmt: skip
+                m.load_sums(sums)
+            self._restored = None
         losses = [self.loss, *self.parts.values()]
         if distributed.world_size() > 1:  # every process: the same record
             device, finish, metrics = self._reduced(losses)
@@ -232,7 +243,9 @@ class EpochTally:
         names = ["valid_loss", *metric_names]
         record |= dict(zip(names, read_valid or [None] * len(names), strict=True))
         record |= dict(zip(train_names, trained, strict=True))
-        record |= dict(zip(self.parts, means[1:], strict=True))
+        means = dict(zip(self.parts, means[1:], strict=True))
+        for prefix in ("train_", "valid_"):
+            record |= {prefix + n: means.get(prefix + n) for n in self.part_names}
         # After the transfer, which waited for the device: the epoch's real time.
         return record | {"lr": lr, "time": self.seconds()}
 
@@ -279,9 +292,12 @@ class EpochTally:
         metrics = None
         if self.train_metrics and self._metric_batches:
             metrics = self._metric_sums()
+            if metrics is not None:
+                metrics = [[s.cpu() for s in sums] for sums in metrics]
         return {
             "loss": self.loss.state_dict(),
             "parts": {k: p.state_dict() for k, p in self.parts.items()},
+            "part_names": list(self.part_names),
             "train_metrics": metrics,
             "metric_batches": self._metric_batches,
             "seconds": self.seconds(),
@@ -294,18 +310,18 @@ class EpochTally:
         for key, part in state["parts"].items():
             self.parts[key] = RunningLoss()
             self.parts[key].load_state_dict(part)
+        self.part_names = list(state.get("part_names", []))
         if state["train_metrics"] is not None:
-            for m, sums in zip(
-                self.train_metrics.metrics, state["train_metrics"], strict=True
-            ):
-                m.load_sums([torch.as_tensor(s) for s in sums])
+            self._restored = [[torch.as_tensor(s) for s in sums]
+                              for sums in state["train_metrics"]]  # fmt: skip
             self._metric_batches = int(state["metric_batches"])
         self._seconds = float(state["seconds"])
 
     def _metric_sums(self) -> list | None:
-        names = self.train_metrics.names
+        """Each training metric's sums, those restored by a resume added."""
+        names, restored = self.train_metrics.names, self._restored
         try:
-            return [[s.cpu() for s in m.sums()] for m in self.train_metrics.metrics]
+            sums = [m.sums() for m in self.train_metrics.metrics]
         except NotImplementedError:
             warnings.warn(
                 f"fitlib: the training metrics {names} cannot be saved in the "
@@ -315,6 +331,10 @@ class EpochTally:
                 stacklevel=2,
             )
             return None
+        if restored is not None:
+            sums = [[s + r.to(s) for s, r in zip(now, old, strict=True)]
+                    for now, old in zip(sums, restored, strict=True)]  # fmt: skip
+        return sums
 
 
 def step_lr(opt: Any) -> float:

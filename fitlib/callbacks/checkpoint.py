@@ -94,6 +94,7 @@ from fitlib.callbacks.resume import (
     DirLock,
     Position,
     Resumed,
+    StateWatch,
     check_callbacks,
     check_interval,
     check_writable,
@@ -220,6 +221,7 @@ class Checkpoint(Callback):
         self._model, self._opt, self._loader = model, opt, data.train_dl
         self._tally, self._judge = tally, None
         self._others = [cb for cb in callbacks if cb is not self]
+        self._watch = StateWatch(self._others)  # warned at the first save
         self._due, self._resume, self._epoch_rng = False, None, None
         self._rng_before_fetch: dict | None = None
         # As the fit begins, before schedulers set their first values.
@@ -349,6 +351,8 @@ class Checkpoint(Callback):
         newest = self.checkpoints()[-1:]
         number = int(_NAME.fullmatch(newest[0].name)[1]) + 1 if newest else 0
         path = self.dirpath / f"checkpoint-{number:06d}.pth"
+        if fd.is_main():
+            self._watch.warn_changed()
         self._write(path, where)
         self._due = False
         if fd.is_main():

@@ -8,6 +8,7 @@ import datetime
 import errno
 import math
 import os
+import pickle
 import re
 import shlex
 import socket
@@ -17,6 +18,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import torch
 
 from fitlib.callback import Callback
 from fitlib.core import len_or_none
@@ -316,3 +319,65 @@ def final_position(state: dict) -> Position | None:
     if state["train"] and not state["skip_step"]:  # between two steps
         return Position(state["epoch"], state["num_batch"], *counts[2:])
     return None
+
+
+class StateWatch:
+    """Notices callbacks that keep state without saving it.
+
+    A callback without ``state_dict`` whose attributes (those it has when
+    training begins) change during training keeps state that a checkpoint
+    does not save: after a resume it starts
+    over, silently (a history it appends to loses the epochs before the
+    crash). ``StateWatch`` notes those callbacks' attributes as training
+    begins; at the first checkpoint it warns about each one that changed.
+
+    Example:
+        >>> watch = StateWatch(callbacks)   # as the fit begins
+        >>> watch.warn_changed()            # at the first checkpoint
+    """
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        # fitlib's own callbacks save what a resume needs (a bar's rows are
+        # not such state); the user's are the ones to watch.
+        self._seen = {
+            id(cb): (cb, _fingerprints(cb))
+            for cb in callbacks
+            if type(cb).state_dict is Callback.state_dict
+            and not type(cb).__module__.startswith("fitlib.")
+        }
+
+    def warn_changed(self) -> None:
+        """Warns once about each callback whose attributes changed since."""
+        seen, self._seen = self._seen, {}
+        for cb, before in seen.values():
+            # Attributes a hook creates (an epoch's sums, set up again in
+            # each on_epoch_begin) are left out: those it had when training
+            # began and that changed are its state.
+            now = _fingerprints(cb)
+            changed = sorted(k for k in before if now.get(k) != before[k])
+            if changed:
+                warnings.warn(
+                    f"Checkpoint: callback {cb.name} changed its attributes "
+                    f"{changed} during training but has no state_dict(), so the "
+                    "checkpoint does not save them: a resumed run starts them "
+                    "over. Fix: give it state_dict() and load_state_dict() (or, "
+                    "for a value per epoch, add it to the epoch record: return "
+                    "{'record': {...}} from on_epoch_end, and the Recorder keeps "
+                    "it).",
+                    stacklevel=2,
+                )
+
+
+def _fingerprints(cb: Callback) -> dict[str, bytes | None]:
+    """Each attribute's pickled bytes (None: tensors, modules and what cannot
+    be pickled are not compared)."""
+    out: dict[str, bytes | None] = {}
+    for key, value in vars(cb).items():
+        if isinstance(value, (torch.Tensor, torch.nn.Module)):
+            out[key] = None
+            continue
+        try:
+            out[key] = pickle.dumps(value)
+        except Exception:  # a file, a lock, a function...: not compared
+            out[key] = None
+    return out
