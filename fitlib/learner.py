@@ -255,8 +255,9 @@ class Learner(TrainingShortcuts):
             self.metrics)  # fmt: skip
         values = validate(self.model, dl, self.loss_func, handler, metrics)
         record = handler.tally.record(0, values, metrics.names, math.nan)
-        loop_only = ("epoch", "train_loss", "lr", "time")
-        return {k: v for k, v in record.items() if k not in loop_only}
+        names = ["valid_loss", *metrics.names]
+        names += [f"valid_{p}" for p in handler.tally.part_names]
+        return {k: record[k] for k in names}
 
     def get_preds(
         self, dl: Iterable | None = None, activation: Callable | None = None
