@@ -9,7 +9,8 @@ DistributedTrainer    -200   first: the model (DDP), device and sharded data
                              the others see are set here
 Checkpoint            -100   first: restores before the others begin; saves
                              at the start of a batch or epoch, when the
-                             others have finished the previous one
+                             others have finished the previous one (best.pth
+                             too, once the epoch's record is complete)
 GradientAccumulation   -30   first: decides whether this batch steps
                              (``skip_step``) and scales the loss; sets the
                              fit's ``n_steps`` before schedulers read it
@@ -19,7 +20,9 @@ TrainStats             -15   the raw gradient norm: unscaled, not yet clipped
 GradientClipping       -10   clips true (unscaled) gradients right before the
                              step that uses them
 every, once, first      (=)  filters take the order of the callback they wrap
-(your callbacks)         0   see unscaled gradients; default order
+(your callbacks)         0   see unscaled gradients; values added to the
+                             epoch record reach the monitors, the Recorder,
+                             the loggers and the bar (40 and up)
 ParamScheduler,         10   set the hyper-parameters of the next step after
 OneCycleScheduler,           each optimizer step; the LR finder also stops
 LRFinder                     the sweep
