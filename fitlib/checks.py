@@ -145,14 +145,10 @@ def _refusal(
 # -- before training -------------------------------------------------------------
 def check_fit_args(epochs: Any, max_steps: Any) -> None:
     """Raises a ValueError unless the fit has a length."""
-    for name, value in (("epochs", epochs), ("max_steps", max_steps)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value <= 0
-        ):
-            raise ValueError(
-                f"{name} must be a positive int; got {value!r} "
-                f"({type(value).__name__}). Fix: pass e.g. {name}=3."
-            )
+    check_int(epochs, "epochs", minimum=1, owner="fit", example=3, allow_none=True)
+    check_int(
+        max_steps, "max_steps", minimum=1, owner="fit", example=1000, allow_none=True
+    )
     if epochs is None and max_steps is None:
         raise ValueError(
             "fit needs a length: got epochs=None and max_steps=None. Fix: pass "

@@ -26,6 +26,7 @@ from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
 from fitlib.callbacks.progress import SweepBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
+from fitlib.checks import check_int, check_number
 from fitlib.core import fit, len_or_none, to_floats
 from fitlib.metrics import Metrics
 
@@ -96,7 +97,7 @@ class TrainingShortcuts:
             >>> learn.fit_flat_cos(5, lr=1e-3)
         """
         lrs = self.lr_range(lr)
-        _check_fraction("pct_start", pct_start)
+        _check_fraction("pct_start", pct_start, "Learner.fit_flat_cos")
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
         self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
@@ -116,7 +117,7 @@ class TrainingShortcuts:
             >>> learn.fit_warmup_cos(5, lr=1e-3, pct_warmup=0.05)
         """
         lrs = self.lr_range(lr)
-        _check_fraction("pct_warmup", pct_warmup)
+        _check_fraction("pct_warmup", pct_warmup, "Learner.fit_warmup_cos")
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
         self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
@@ -204,7 +205,7 @@ class TrainingShortcuts:
             ...     if snap.loss < 0.1:
             ...         break
         """
-        _check_every(every)
+        check_int(every, "every", minimum=1, owner="Learner.fit_iter", example=25)
         steps = self._iter_fit(None, lr, wd, callbacks, n_steps)
         t0, names = time.perf_counter(), ["valid_loss", *Metrics(self.metrics).names]
         with closing(steps):
@@ -308,17 +309,8 @@ def _states(callbacks: list[Callback]) -> list[dict]:
     return [copy.deepcopy(cb.state_dict()) for cb in callbacks]
 
 
-def _check_every(every: object) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"every must be a positive int (optimizer steps between snapshots); "
-            f"got {every!r}. Fix: e.g. every=25."
-        )
-
-
-def _check_fraction(name: str, value: Any) -> None:
-    if not (isinstance(value, (int, float)) and 0 < value < 1):
-        raise ValueError(
-            f"{name} must be a fraction of training in (0, 1); got {value!r}. "
-            f"Fix: e.g. {name}=0.25."
-        )
+def _check_fraction(name: str, value: Any, owner: str) -> None:
+    check_number(
+        value, name, above=0, below=1, what="a fraction of training", owner=owner,
+        example=0.25,
+    )  # fmt: skip

@@ -165,7 +165,7 @@ def _fit(epochs=1, data=None, loss_func=F.cross_entropy, model=None, **kw):
 @pytest.mark.parametrize("epochs", [0, -2, 2.5, True, "3"])
 def test_epochs_must_be_a_positive_int(epochs):
     with pytest.raises(
-        ValueError, match=rf"epochs must be a positive int; got {epochs!r}"
+        ValueError, match=rf"epochs must be an int >= 1 or None; got {epochs!r}"
     ):
         _fit(epochs)
 
@@ -345,7 +345,9 @@ def test_max_steps_and_epochs_whichever_comes_first():
 
 @pytest.mark.parametrize("max_steps", [0, -1, 2.0, True])
 def test_max_steps_must_be_a_positive_int(max_steps):
-    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+    with pytest.raises(
+        ValueError, match=rf"max_steps must be an int >= 1 or None; got {max_steps!r}"
+    ):
         _fit(1, max_steps=max_steps)
 
 

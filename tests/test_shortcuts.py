@@ -103,7 +103,7 @@ def test_breaking_out_of_fit_iter_ends_training_cleanly(tmp_path):
 
 @pytest.mark.parametrize("every", [0, -5, 2.5, True])
 def test_fit_iter_every_must_be_a_positive_int(tmp_path, every):
-    with pytest.raises(ValueError, match="every must be a positive int"):
+    with pytest.raises(ValueError, match="every must be an int >= 1; got"):
         next(learner(tmp_path).fit_iter(n_steps=10, every=every))
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int
 from fitlib.core import batch_size, len_or_none
 
 
@@ -38,12 +39,9 @@ class GradientAccumulation(Callback):
     order = -30  # before MixedPrecision and clipping, which act only on steps
 
     def __init__(self, n_steps: int) -> None:
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-            raise ValueError(
-                f"GradientAccumulation: n_steps must be an int >= 1 (batches per "
-                f"optimizer step); got {n_steps!r}. Fix: e.g. n_steps=4."
-            )
-        self.n_steps = n_steps
+        self.n_steps = check_int(
+            n_steps, "n_steps", minimum=1, owner=self.name, example=4
+        )
         self._count = self._samples = self._group = self._first = self._size = 0
         self._no_sync: Any = None
 

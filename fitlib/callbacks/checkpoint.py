@@ -103,6 +103,7 @@ from fitlib.callbacks.resume import (
     run_differences,
     run_signature,
 )
+from fitlib.checks import check_int
 from fitlib.core import len_or_none
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (
@@ -165,15 +166,7 @@ class Checkpoint(Callback):
         if every_n_epochs is _DEFAULT:
             every_n_epochs = None if every_n_steps is not None else 1
         check_interval(every_n_epochs, every_n_steps)
-        if (
-            isinstance(keep_last, bool)
-            or not isinstance(keep_last, int)
-            or keep_last < 1
-        ):
-            raise ValueError(
-                f"keep_last must be an int >= 1 (checkpoints kept); got "
-                f"{keep_last!r}. Fix: e.g. keep_last=3."
-            )
+        check_int(keep_last, "keep_last", minimum=1, owner=self.name, example=3)
         self.dirpath = _check_dirpath(dirpath)
         check_writable(self.dirpath)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fitlib.callbacks.schedule import ParamScheduler, cosine
+from fitlib.checks import check_number
 from fitlib.errors import is_number
 from fitlib.optim import lr_per_group
 
@@ -51,14 +52,14 @@ class OneCycleScheduler(ParamScheduler):
         total_steps: int | None = None,
     ) -> None:
         _check_max_lr(max_lr)
-        _check_number("div_factor", div_factor, "25.0", low=0.0)
-        if not (is_number(pct_start) and 0 < pct_start < 1):
-            raise ValueError(
-                f"pct_start must be a fraction of training in (0, 1); got "
-                f"{pct_start!r}. Fix: e.g. pct_start=0.3 (30% of steps warming up)."
-            )
+        owner = self.name
+        check_number(div_factor, "div_factor", above=0, owner=owner, example=25.0)
+        check_number(
+            pct_start, "pct_start", above=0, below=1, what="a fraction of training",
+            owner=owner, example=0.3,
+        )  # fmt: skip
         final_div = div_factor * 1e4 if final_div is None else final_div
-        _check_number("final_div", final_div, "div_factor * 1e4", low=0.0)
+        check_number(final_div, "final_div", above=0, owner=owner, example=1e4)
         if moms is not None and not (
             len(moms) == 2 and all(is_number(m) and 0 <= m < 1 for m in moms)
         ):
@@ -97,14 +98,6 @@ class OneCycleScheduler(ParamScheduler):
 
 def _placeholder(pct: float) -> float:
     raise AssertionError("OneCycleScheduler builds its schedules at train begin")
-
-
-def _check_number(name: str, value: Any, example: str, low: float) -> None:
-    if not (is_number(value) and value > low):
-        raise ValueError(
-            f"{name} must be a number > {low:g}; got {value!r}. Fix: e.g. "
-            f"{name}={example}."
-        )
 
 
 def _check_max_lr(max_lr: Any) -> None:

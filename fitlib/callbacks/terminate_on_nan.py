@@ -22,6 +22,7 @@ import torch
 
 from fitlib import distributed as fd
 from fitlib.callback import Callback
+from fitlib.checks import check_number
 
 
 class TerminateOnNaN(Callback):
@@ -60,17 +61,10 @@ class TerminateOnNaN(Callback):
     in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(self, check_every: float = 1.0) -> None:
-        if (
-            isinstance(check_every, bool)
-            or not isinstance(check_every, (int, float))
-            or not check_every >= 0  # also catches NaN
-        ):
-            raise ValueError(
-                f"check_every must be a number of seconds >= 0; got "
-                f"{check_every!r} ({type(check_every).__name__}). Fix: e.g. "
-                "TerminateOnNaN(check_every=1.0); 0 checks every batch."
-            )
-        self.check_every = float(check_every)
+        self.check_every = check_number(
+            check_every, "check_every", minimum=0, what="a number of seconds",
+            owner=self.name, example=1.0,
+        )  # fmt: skip
         self._reset()
 
     def _reset(self) -> None:
