@@ -226,7 +226,9 @@ class TrainingShortcuts:
         if n_batches is None:
             return num_it  # each epoch has a batch at least: the finder stops
         per_step = math.prod(
-            cb.n_steps for cb in self.callbacks if isinstance(cb, GradientAccumulation)
+            cb.n_batches
+            for cb in self.callbacks
+            if isinstance(cb, GradientAccumulation)
         )
         return math.ceil(num_it / math.ceil(n_batches / per_step))
 
