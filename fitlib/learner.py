@@ -23,7 +23,7 @@ from fitlib.core import (
     check_model,
     evaluating,
     first_tensor,
-    iter_fit,
+    fit_states,
     model_device,
     to_device,
     to_floats,
@@ -156,10 +156,10 @@ class Learner(TrainingShortcuts):
         the last, ``slice(hi)`` gives the last group ``hi`` and the others
         ``hi / 10``. None trains at 1e-3 and says so (``lr_find`` suggests one).
         """
-        for _ in self._iter_fit(epochs, lr, wd, callbacks, max_steps):
+        for _ in self._fit_states(epochs, lr, wd, callbacks, max_steps):
             pass
 
-    def _iter_fit(
+    def _fit_states(
         self,
         epochs: int | None,
         lr: LR | None,
@@ -167,9 +167,9 @@ class Learner(TrainingShortcuts):
         callbacks: Iterable[Callback] | Callback | None,
         max_steps: int | None,
     ) -> Iterator[dict]:
-        """The loop (``iter_fit``) over this Learner's model, data and callbacks."""
+        """The loop (``fit_states``) over this Learner's model, data and callbacks."""
         self.create_opt(lr, wd)
-        return iter_fit(
+        return fit_states(
             epochs,
             self.model,
             self.loss_func,

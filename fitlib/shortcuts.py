@@ -10,6 +10,7 @@ import copy
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from fitlib.metrics import Metrics
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Where training stands, as ``Learner.fit_iter`` yields it.
+    """Where training stands, as ``Learner.fit_snapshots`` yields it.
 
     ``loss`` is the training loss of the latest batch; ``metrics`` maps
     ``valid_loss`` and each metric to its value after the latest epoch (empty
@@ -49,7 +50,7 @@ class Snapshot:
 
 class TrainingShortcuts:
     """``fit_one_cycle``, ``fit_flat_cos``, ``fit_warmup_cos``, ``lr_find``,
-    ``fit_iter``, ``to_fp16``, ``to_bf16``, ``to_fp32`` and ``to_distributed``,
+    ``fit_snapshots``, ``to_fp16``, ``to_bf16``, ``to_fp32`` and ``to_distributed``,
     for ``Learner``."""
 
     # Provided by Learner.
@@ -184,7 +185,7 @@ class TrainingShortcuts:
             )
         return finder.suggestions
 
-    def fit_iter(
+    def fit_snapshots(
         self,
         n_steps: int,
         every: int = 25,
@@ -200,13 +201,13 @@ class TrainingShortcuts:
         one sync per ``every`` steps.
 
         Example:
-            >>> for snap in learn.fit_iter(n_steps=500, every=100):
+            >>> for snap in learn.fit_snapshots(n_steps=500, every=100):
             ...     print(snap.step, snap.loss)
             ...     if snap.loss < 0.1:
             ...         break
         """
-        check_int(every, "every", minimum=1, owner="Learner.fit_iter", example=25)
-        steps = self._iter_fit(None, lr, wd, callbacks, n_steps)
+        check_int(every, "every", minimum=1, owner="Learner.fit_snapshots", example=25)
+        steps = self._fit_states(None, lr, wd, callbacks, n_steps)
         t0, names = time.perf_counter(), ["valid_loss", *Metrics(self.metrics).names]
         with closing(steps):
             for state in steps:
@@ -219,6 +220,16 @@ class TrainingShortcuts:
                 yield Snapshot(
                     step, state["epoch"], values[0], metrics, time.perf_counter() - t0
                 )
+
+    def fit_iter(self, *args: Any, **kwargs: Any) -> Iterator[Snapshot]:
+        """Deprecated: the former name of ``fit_snapshots`` (same arguments)."""
+        warnings.warn(
+            "Learner.fit_iter is deprecated: it is called fit_snapshots now (it "
+            "yields a Snapshot every `every` optimizer steps).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.fit_snapshots(*args, **kwargs)
 
     def _sweep_epochs(self, num_it: int) -> int:
         """Epochs enough for ``num_it`` optimizer steps."""

@@ -2,6 +2,7 @@ import itertools
 import sys
 
 import pytest
+import torch
 from fastprogress import fastprogress
 from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
@@ -72,9 +73,9 @@ def test_fractions_outside_zero_one_are_errors(tmp_path, bad):
     assert learn.recorder.lrs == []
 
 
-def test_fit_iter_yields_snapshots_every_n_steps_and_after_the_last(tmp_path):
+def test_fit_snapshots_yields_snapshots_every_n_steps_and_after_the_last(tmp_path):
     learn = learner(tmp_path)  # 10 batches an epoch
-    snaps = list(learn.fit_iter(n_steps=23, every=10))
+    snaps = list(learn.fit_snapshots(n_steps=23, every=10))
     assert [s.step for s in snaps] == [10, 20, 23]
     assert [s.epoch for s in snaps] == [0, 1, 2]
     assert snaps[0].metrics == {}  # no epoch has ended before step 10's batch
@@ -85,7 +86,7 @@ def test_fit_iter_yields_snapshots_every_n_steps_and_after_the_last(tmp_path):
     assert len(learn.recorder.losses) == 23
 
 
-def test_breaking_out_of_fit_iter_ends_training_cleanly(tmp_path):
+def test_breaking_out_of_fit_snapshots_ends_training_cleanly(tmp_path):
     ends = []
 
     class End(Callback):
@@ -93,7 +94,7 @@ def test_breaking_out_of_fit_iter_ends_training_cleanly(tmp_path):
             ends.append(exception)
 
     learn = learner(tmp_path, callbacks=[End()])
-    for snap in learn.fit_iter(n_steps=100, every=5):
+    for snap in learn.fit_snapshots(n_steps=100, every=5):
         if snap.step == 15:
             break
     assert ends == [None] and len(learn.recorder.losses) == 15
@@ -101,10 +102,22 @@ def test_breaking_out_of_fit_iter_ends_training_cleanly(tmp_path):
     assert len(learn.recorder.losses) == 25
 
 
+def test_fit_iter_is_a_deprecated_alias_of_fit_snapshots_yielding_the_same(tmp_path):
+    def run(method):
+        torch.manual_seed(0)
+        learn = learner(tmp_path)
+        snaps = getattr(learn, method)(n_steps=12, every=5, lr=1e-2)
+        return [(s.step, s.epoch, s.loss, s.metrics) for s in snaps]
+
+    with pytest.warns(DeprecationWarning, match="called fit_snapshots now"):
+        old = run("fit_iter")
+    assert old == run("fit_snapshots") and [s[0] for s in old] == [5, 10, 12]
+
+
 @pytest.mark.parametrize("every", [0, -5, 2.5, True])
-def test_fit_iter_every_must_be_a_positive_int(tmp_path, every):
+def test_fit_snapshots_every_must_be_a_positive_int(tmp_path, every):
     with pytest.raises(ValueError, match="every must be an int >= 1; got"):
-        next(learner(tmp_path).fit_iter(n_steps=10, every=every))
+        next(learner(tmp_path).fit_snapshots(n_steps=10, every=every))
 
 
 # -- lr_find's progress ------------------------------------------------------------

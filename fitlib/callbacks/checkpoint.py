@@ -36,7 +36,7 @@ A run that reaches its end (its epochs or ``max_steps``, or a callback's
 ``stop_training``) writes a final checkpoint marked finished; rerunning then
 trains nothing. Its weights are those of the last step: ``EarlyStopping
 (restore_best=True)`` restores the best ones after it (``monitor`` keeps
-them in ``best.pth``). A ``fit_iter`` closed between two steps leaves a
+them in ``best.pth``). A ``fit_snapshots`` closed between two steps leaves a
 checkpoint to resume from; an exception or Ctrl-C leaves the last regular
 one (it may have cut a step in two). Only the first fit of a ``Checkpoint``
 object resumes: a second fit in the same process starts anew.
@@ -273,7 +273,7 @@ class Checkpoint(Callback):
 
     def on_train_end(self, **state: Any) -> None:
         """Runs at the end: a final checkpoint marks a run that reached its end;
-        one stopped cleanly between batches (a closed ``fit_iter``) gets a
+        one stopped cleanly between batches (a closed ``fit_snapshots``) gets a
         checkpoint to resume from. Then the directory is unlocked."""
         try:
             if getattr(self, "_model", None) is not None:
