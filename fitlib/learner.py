@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+import fitlib.distributed as ranks
 from fitlib import metrics as fm
 from fitlib.callback import Callback, CallbackHandler, callback_list
 from fitlib.callbacks.progress import ProgressBar
@@ -29,7 +30,6 @@ from fitlib.core import (
     to_floats,
     validate,
 )
-from fitlib.distributed import barrier, is_main
 from fitlib.errors import name_of
 from fitlib.optim import HPOptimizer, check_hyper, check_opt_func, lr_per_group
 from fitlib.serialization import (
@@ -298,10 +298,10 @@ class Learner(TrainingShortcuts):
                 if (cb_state := cb.state_dict())
             ]
         path = self._file(name)
-        if is_main():
+        if ranks.is_main():
             atomic_save(state, path)
         if is_sharded(self.model):
-            barrier()  # every rank is here: none loads before the file exists
+            ranks.barrier()  # every rank is here: none loads before the file exists
         return path
 
     def load(self, name: str | Path, with_opt: bool = True) -> Learner:
@@ -350,7 +350,7 @@ _DEFAULTS = {
 def _default(name: str, value: Any) -> Any:
     """``value``, the default of ``name``: said once per process, as the Gluon
     Fit API asks (users are told when a default is used for them)."""
-    if name not in _said and is_main():
+    if name not in _said and ranks.is_main():
         _said.add(name)
         print(f"fitlib: {_DEFAULTS[name]}")
     return value
@@ -377,7 +377,7 @@ def _default_metrics(loss_func: Callable) -> list:
     )
     if not is_clf:
         return []
-    if "accuracy" not in _said and is_main():  # once, not once per process
+    if "accuracy" not in _said and ranks.is_main():  # once, not once per process
         _said.add("accuracy")
         print(
             "fitlib: no metrics given; reporting accuracy since the loss is "

@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import to_floats
-from fitlib.distributed import is_main
 from fitlib.errors import is_number
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import host_copy
@@ -173,7 +173,7 @@ class LRFinder(Callback):
         self.lrs = [self.lr_at(i) for i in range(end)]
         self._losses, self._floats = [], []
         if self.losses and math.isfinite(self.losses[0]):  # else none: lr_find says
-            self._suggest(losses, warn=exception is None and is_main())
+            self._suggest(losses, warn=exception is None and ranks.is_main())
 
     def _suggest(self, losses: list[float], warn: bool) -> None:
         """Suggestions off the record; problems off the whole sweep read, past

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fitlib import distributed as fd
+import fitlib.distributed as ranks
 from fitlib.callbacks.tracking import RunningLoss
 from fitlib.core import to_floats
 from fitlib.errors import is_number
@@ -145,7 +145,7 @@ class Monitor:
         """
         if self.needs_train_loss:
             loss, self._loss = self._loss, RunningLoss()
-            if fd.world_size() > 1:  # every rank must decide alike: the global mean
+            if ranks.world_size() > 1:  # every rank must decide alike: the global mean
                 return _global_mean(loss)
             return loss.mean(to_floats(loss.pending())) if loss.samples else None
         if last_metrics is None:
@@ -249,5 +249,5 @@ def _global_mean(loss: RunningLoss) -> float:
     total = pending[0] if pending else torch.zeros((), dtype=torch.float64)
     count = total.new_tensor(float(loss.samples))
     pair = torch.stack([total + loss.restored[0], count])
-    total, n = to_floats(list(fd.all_reduce_sum(pair)))
+    total, n = to_floats(list(ranks.all_reduce_sum(pair)))
     return total / n if n else math.nan

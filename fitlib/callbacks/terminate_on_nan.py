@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from fitlib import distributed as fd
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_number
 
@@ -84,7 +84,7 @@ class TerminateOnNaN(Callback):
     def on_train_begin(self, iteration: int) -> None:
         """Runs before training: forgets the previous fit, starts the clock."""
         self._reset()
-        if fd.world_size() > 1:  # a first check after one batch sets the pace
+        if ranks.world_size() > 1:  # a first check after one batch sets the pace
             self._next_check = iteration
 
     def on_batch_end(
@@ -133,7 +133,7 @@ class TerminateOnNaN(Callback):
             return False
         self.nan_loss, self.nan_iteration, self.nan_epoch, self.nan_batch = bad
         self.stop_iteration = stop_iteration
-        if fd.is_main():
+        if ranks.is_main():
             print(self._message(), file=sys.stderr)
         return True
 
@@ -143,7 +143,7 @@ class TerminateOnNaN(Callback):
         """The first bad loss of any rank, and the next check's iteration at
         rank 0's pace: every rank calls this at the same iteration."""
         pace = self.check_every * batches / seconds if seconds > 0 else 1.0
-        seen = fd.gather_to_all((bad, pace))
+        seen = ranks.gather_to_all((bad, pace))
         pace = seen[0][1]
         step = 1 if not math.isfinite(pace) else max(1, int(pace))
         self._next_check = iteration + step if math.isfinite(pace) else math.inf

@@ -205,11 +205,11 @@ def test_load_state_dict_refuses_the_state_of_another_quantity_or_a_bad_dict():
 
 def test_under_several_processes_train_loss_is_the_mean_over_all_ranks(monkeypatch):
     """Every rank must reach the same decision: the value is the global mean."""
-    from fitlib import distributed as fd
+    import fitlib.distributed as ranks
 
     shards = {0: ([1.0, 3.0], [2, 2]), 1: ([5.0], [4])}  # losses, batch sizes
     pairs = {}
-    monkeypatch.setattr(fd, "world_size", lambda: 2)
+    monkeypatch.setattr(ranks, "world_size", lambda: 2)
     for rank in (0, 1):
         m = Monitor("train_loss")
         m.start(Metrics([]))
@@ -219,12 +219,12 @@ def test_under_several_processes_train_loss_is_the_mean_over_all_ranks(monkeypat
     values = []
     for rank in (0, 1):
         other = 1 - rank
-        monkeypatch.setattr(fd, "rank", lambda rank=rank: rank)
+        monkeypatch.setattr(ranks, "rank", lambda rank=rank: rank)
         losses, sizes = shards[other]
         other_pair = torch.tensor(
             [sum(v * s for v, s in zip(losses, sizes)), float(sum(sizes))],
             dtype=torch.float64,
         )
-        monkeypatch.setattr(fd, "all_reduce_sum", lambda t, o=other_pair: t + o)
+        monkeypatch.setattr(ranks, "all_reduce_sum", lambda t, o=other_pair: t + o)
         values.append(pairs[rank].read(None))
     assert values == [pytest.approx((2 + 6 + 20) / 8)] * 2
