@@ -31,7 +31,14 @@ from fitlib.core import (
     validate,
 )
 from fitlib.errors import name_of
-from fitlib.optim import HPOptimizer, check_hyper, check_opt_func, lr_per_group
+from fitlib.optim import (
+    LR,
+    HPOptimizer,
+    check_hyper,
+    check_lr,
+    check_opt_func,
+    lr_per_group,
+)
 from fitlib.serialization import (
     atomic_save,
     check_model_state,
@@ -48,7 +55,6 @@ from fitlib.sharding import (
 )
 from fitlib.shortcuts import TrainingShortcuts
 
-LR = float | slice | Sequence[float]
 NORM_TYPES = (
     nn.modules.batchnorm._BatchNorm,
     nn.modules.instancenorm._InstanceNorm,
@@ -166,9 +172,15 @@ class Learner(TrainingShortcuts):
         wd: float | None,
         callbacks: Iterable[Callback] | Callback | None,
         max_steps: int | None,
+        scheduled: bool = False,
     ) -> Iterator[dict]:
-        """The loop (``fit_states``) over this Learner's model, data and callbacks."""
-        self.create_opt(lr, wd)
+        """The loop (``fit_states``) over this Learner's model, data and
+        callbacks. ``scheduled``: a scheduler among the callbacks sets the lr
+        (``lr`` is then unused), so the optimizer's is left to it."""
+        if scheduled:
+            self._opt_for_schedule(wd)
+        else:
+            self.create_opt(lr, wd)
         return fit_states(
             epochs,
             self.model,
@@ -181,26 +193,47 @@ class Learner(TrainingShortcuts):
         )
 
     def create_opt(self, lr: LR | None, wd: float | None = None) -> HPOptimizer:
-        """Creates the optimizer on first use; afterwards only sets lr and wd."""
-        lrs, wd = self.lr_range(lr), self.wd if wd is None else wd
+        """Creates the optimizer on first use; afterwards only sets lr and wd.
+
+        ``lr`` (None: 1e-3, said once) goes as given to the optimizer, which
+        checks it and spreads it over the layer groups (``HPOptimizer.set_lr``).
+        """
+        lr = self._default_lr() if lr is None else lr
+        wd = self.wd if wd is None else wd
         if self.opt is None:
             groups = [{"params": params} for params in self.layer_groups]
             self.opt = HPOptimizer(
-                groups, self._opt_func(), lr=lrs, wd=wd, true_wd=self.true_wd
+                groups, self._opt_func(), lr=lr, wd=wd, true_wd=self.true_wd
             )
         else:
-            self.opt.lr, self.opt.wd = lrs, wd
+            self.opt.set_lr(lr)
+            self.opt.wd = wd
         return self.opt
+
+    def _opt_for_schedule(self, wd: float | None) -> HPOptimizer:
+        """The optimizer of a fit whose scheduler sets the lr. The scheduler
+        spreads its lr over the groups and sets the first step's values in
+        ``on_train_begin``, before any step, so an optimizer created now
+        starts at 1e-3 and an existing one keeps its lr until then."""
+        if self.opt is None:
+            return self.create_opt(1e-3, wd)
+        self.opt.wd = self.wd if wd is None else wd
+        return self.opt
+
+    def _default_lr(self) -> float:
+        """The lr used when none is given: 1e-3, said once per process."""
+        return _default("lr", 1e-3)
 
     def _callbacks(self, extra: Iterable[Callback] | Callback | None) -> list:
         cbs = [self.recorder, *self.callbacks, *callback_list(extra)]
         return [*cbs, ProgressBar()] if self.progress else cbs
 
-    def lr_range(self, lr: LR | None) -> list[float]:
+    def lr_range(self, lr: LR | None, name: str = "lr") -> list[float]:
         """One learning rate per layer group from a float, slice or sequence
-        (None: the default, 1e-3, said once)."""
-        lr = _default("lr", 1e-3) if lr is None else lr
-        return lr_per_group(lr, len(self.layer_groups))
+        (None: the default, 1e-3, said once), checked and spread once."""
+        lr = self._default_lr() if lr is None else lr
+        check_lr(lr, name)
+        return lr_per_group(lr, len(self.layer_groups), name)
 
     # -- freezing --------------------------------------------------------------
     def freeze_to(self, n: int) -> None:

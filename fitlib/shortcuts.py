@@ -24,12 +24,13 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
-from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
+from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.progress import SweepBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
 from fitlib.checks import check_int, check_number
 from fitlib.core import fit, len_or_none, to_floats
 from fitlib.metrics import Metrics
+from fitlib.optim import LR
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class TrainingShortcuts:
     def fit_one_cycle(
         self,
         epochs: int,
-        max_lr: MaxLR,
+        max_lr: LR,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
@@ -72,7 +73,8 @@ class TrainingShortcuts:
     ) -> None:
         """Trains with the 1cycle policy (see ``OneCycleScheduler``).
 
-        ``max_lr`` is a float, one value per layer group, or a slice.
+        ``max_lr`` is a float, one value per layer group, or a slice: the
+        scheduler spreads it over the groups when training begins.
         ``total_steps`` is needed only for a loader without a length.
 
         Example:
@@ -81,12 +83,12 @@ class TrainingShortcuts:
         sched = OneCycleScheduler(
             max_lr, div_factor, pct_start, final_div, moms, total_steps
         )
-        self.fit(epochs, max_lr, wd, callbacks=[sched, *callback_list(callbacks)])
+        self._fit_scheduled(epochs, wd, sched, callbacks)
 
     def fit_flat_cos(
         self,
         epochs: int,
-        lr: MaxLR | None = None,
+        lr: LR | None = None,
         pct_start: float = 0.75,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
@@ -97,16 +99,16 @@ class TrainingShortcuts:
         Example:
             >>> learn.fit_flat_cos(5, lr=1e-3)
         """
-        lrs = self.lr_range(lr)
+        lrs = self.lr_range(lr)  # spread over the layer groups, once
         _check_fraction("pct_start", pct_start, "Learner.fit_flat_cos")
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
+        self._fit_scheduled(epochs, wd, sched, callbacks)
 
     def fit_warmup_cos(
         self,
         epochs: int,
-        lr: MaxLR | None = None,
+        lr: LR | None = None,
         pct_warmup: float = 0.1,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
@@ -117,11 +119,24 @@ class TrainingShortcuts:
         Example:
             >>> learn.fit_warmup_cos(5, lr=1e-3, pct_warmup=0.05)
         """
-        lrs = self.lr_range(lr)
+        lrs = self.lr_range(lr)  # spread over the layer groups, once
         _check_fraction("pct_warmup", pct_warmup, "Learner.fit_warmup_cos")
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
+        self._fit_scheduled(epochs, wd, sched, callbacks)
+
+    def _fit_scheduled(
+        self,
+        epochs: int,
+        wd: float | None,
+        sched: Callback,
+        callbacks: Iterable[Callback] | None,
+    ) -> None:
+        """``fit`` with ``sched`` setting the lr: the optimizer's lr is left
+        to it (it holds the lr, spread over the groups)."""
+        cbs = [sched, *callback_list(callbacks)]
+        for _ in self._fit_states(epochs, None, wd, cbs, None, scheduled=True):
+            pass
 
     def lr_find(
         self,
@@ -189,7 +204,7 @@ class TrainingShortcuts:
         self,
         n_steps: int,
         every: int = 25,
-        lr: MaxLR | None = None,
+        lr: LR | None = None,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> Iterator[Snapshot]:

@@ -199,7 +199,7 @@ def test_default_metric_for_cross_entropy_is_accuracy_and_said_once(capsys, tmp_
 def test_non_positive_lr_is_rejected_before_training(tmp_path, lr):
     learn = learner(tmp_path)
     before = snapshot(learn.model)
-    with pytest.raises(ValueError, match="lr must be a positive number"):
+    with pytest.raises(ValueError, match=rf"lr must be > 0: .*got {lr!r}"):
         learn.fit(1, lr=lr)
     assert not any(changed(before, learn.model))
 

@@ -7,7 +7,9 @@ from fastprogress import fastprogress
 from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
+import fitlib.optim
 from fitlib import Callback, Learner
+from fitlib.callbacks import SuggestedLRs
 
 
 def learner(tmp_path, progress=False, **kwargs):
@@ -61,6 +63,73 @@ def test_schedules_spread_a_slice_over_layer_groups(tmp_path):
     learn.fit_warmup_cos(2, lr=slice(1e-4, 1e-2), pct_warmup=0.5)
     assert max(learn.recorder.lrs) == pytest.approx(1e-2)  # the last group's
     assert learn.opt.lr == 0.0
+
+
+def three_groups(tmp_path):
+    model = make_model()
+    return Learner(
+        make_data(), model, F.cross_entropy, path=tmp_path, progress=False,
+        layer_groups=[model[:1], model[1:4], model[4:]],
+    )  # fmt: skip
+
+
+SUGGESTED = SuggestedLRs(valley=1e-3, steepest=2e-3, min_div10=5e-4)
+
+
+def test_lr_finds_suggestions_are_refused_as_an_lr_saying_to_pass_the_valley(tmp_path):
+    learn = three_groups(tmp_path)  # 3 values for 3 groups: once taken silently
+    with pytest.raises(TypeError, match=r"max_lr got lr_find's suggestions.*s\.valley"):
+        learn.fit_one_cycle(1, max_lr=SUGGESTED)
+    for shortcut in (learn.fit, learn.fit_flat_cos, learn.fit_warmup_cos):
+        with pytest.raises(TypeError, match=r"lr=s\.valley"):
+            shortcut(1, lr=SUGGESTED)
+    assert learn.recorder.lrs == []
+
+
+def test_with_one_group_the_refusal_names_the_argument_given(tmp_path):
+    learn = learner(tmp_path)
+    with pytest.raises(TypeError) as info:
+        learn.fit_one_cycle(1, max_lr=SUGGESTED)
+    assert str(info.value).startswith("max_lr got lr_find's suggestions")
+    assert "max_lr=s.valley" in str(info.value)
+    with pytest.raises(ValueError) as info:
+        learn.fit_one_cycle(1, max_lr=[1e-3, 1e-2, 1e-1])
+    assert "max_lr: got 3 values [0.001, 0.01, 0.1] for 1 parameter group." in str(
+        info.value
+    )
+    assert "1 values" not in str(info.value)
+
+
+def spread_spy(monkeypatch):
+    """Counts, in every fitlib module that calls it, ``lr_per_group``'s calls:
+    the learning rates it spread."""
+    original, spread = fitlib.optim.lr_per_group, []
+
+    def spy(lr, n, name="lr"):
+        spread.append(lr)
+        return original(lr, n, name)
+
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("fitlib") and (
+            getattr(module, "lr_per_group", None) is original
+        ):
+            monkeypatch.setattr(module, "lr_per_group", spy)
+    return spread
+
+
+@pytest.mark.parametrize(
+    "shortcut", ["fit_one_cycle", "fit_flat_cos", "fit_warmup_cos"]
+)
+def test_a_scheduled_fit_spreads_its_lr_over_the_groups_once(
+    tmp_path, monkeypatch, shortcut
+):
+    # (fit and fit_snapshots spread once already: HPOptimizer or set_lr.)
+    learn, lr = three_groups(tmp_path), slice(1e-3, 1e-2)
+    run = getattr(learn, shortcut)
+    spread = spread_spy(monkeypatch)
+    run(1, lr)  # the optimizer is created
+    run(1, lr)  # and set
+    assert [x for x in spread if x is lr] == [lr, lr]
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.5, "half"])

@@ -11,19 +11,20 @@ of ``torch.optim.lr_scheduler.OneCycleLR`` given ``div_factor``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from fitlib.callbacks.schedule import ParamScheduler, cosine
 from fitlib.checks import check_number
 from fitlib.errors import is_number
-from fitlib.optim import lr_per_group
-
-MaxLR = float | slice | Sequence[float]
+from fitlib.optim import LR, check_lr, lr_per_group
 
 
 class OneCycleScheduler(ParamScheduler):
     """Trains with one cycle of learning rate and momentum (Smith, 2018).
+
+    The schedules are built in ``on_train_begin``, where the optimizer's
+    parameter groups are known: that is where ``max_lr`` is spread over them
+    (it is checked here, when the scheduler is made).
 
     Args:
         max_lr: the peak learning rate: a float, one per parameter group, or a
@@ -44,14 +45,15 @@ class OneCycleScheduler(ParamScheduler):
 
     def __init__(
         self,
-        max_lr: MaxLR,
+        max_lr: LR,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
         moms: tuple[float, float] | None = (0.95, 0.85),
         total_steps: int | None = None,
     ) -> None:
-        _check_max_lr(max_lr)
+        self.lr_name, self.max_lr = "max_lr", max_lr
+        check_lr(self.max_lr, self.lr_name)
         owner = self.name
         check_number(div_factor, "div_factor", above=0, owner=owner, example=25.0)
         check_number(
@@ -67,15 +69,21 @@ class OneCycleScheduler(ParamScheduler):
                 f"moms must be two momentums in [0, 1), or None; got {moms!r}. "
                 "Fix: e.g. moms=(0.95, 0.85)."
             )
-        self.max_lr, self.div_factor, self.pct_start = max_lr, div_factor, pct_start
+        self.div_factor, self.pct_start = div_factor, pct_start
         self.final_div, self.moms = final_div, moms
-        # The lr schedule needs the number of parameter groups: built later.
-        names = ("lr",) if moms is None else ("lr", "mom")
-        super().__init__(dict.fromkeys(names, _placeholder), total_steps)
+        self.schedules = {}  # built in on_train_begin, for the optimizer's groups
+        self._plan(total_steps)
+
+    @property
+    def sets_hypers(self) -> tuple[str, ...]:
+        """``lr``, and ``mom`` unless ``moms`` is None: known before training."""
+        return ("lr",) if self.moms is None else ("lr", "mom")
 
     def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
-        """Runs before training: builds the schedules for this optimizer."""
-        top = lr_per_group(self.max_lr, len(opt.param_groups))
+        """Runs before training: builds the schedules for this optimizer's
+        parameter groups (spreading ``max_lr`` over them), sets the first
+        values."""
+        top = lr_per_group(self.max_lr, len(opt.param_groups), self.lr_name)
         low = [lr / self.div_factor for lr in top]
         end = [lr / self.final_div for lr in top]
         warm, cool = self.pct_start, 1 - self.pct_start
@@ -93,27 +101,4 @@ class OneCycleScheduler(ParamScheduler):
             f"{self.name}(max_lr={self.max_lr!r}, div_factor={self.div_factor}, "
             f"pct_start={self.pct_start}, final_div={self.final_div}, "
             f"moms={self.moms}, total_steps={self.total_steps})"
-        )
-
-
-def _placeholder(pct: float) -> float:
-    raise AssertionError("OneCycleScheduler builds its schedules at train begin")
-
-
-def _check_max_lr(max_lr: Any) -> None:
-    if isinstance(max_lr, slice):
-        parts = [p for p in (max_lr.start, max_lr.stop) if p is not None]
-        ok = max_lr.stop is not None and all(is_number(p) and p > 0 for p in parts)
-    elif is_number(max_lr):
-        ok = max_lr > 0
-    else:
-        try:
-            ok = len(max_lr) > 0 and all(is_number(v) and v > 0 for v in max_lr)
-        except TypeError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"max_lr must be > 0: a float, one per parameter group, or a slice; "
-            f"got {max_lr!r}. Fix: e.g. max_lr=1e-2, or find one with "
-            "learn.lr_find()."
         )

@@ -132,6 +132,11 @@ class ParamScheduler(Callback):
         self, schedules: Mapping[str, Phases], total_steps: int | None = None
     ) -> None:
         self.schedules = _check_schedules(schedules)
+        self._plan(total_steps)
+
+    def _plan(self, total_steps: int | None) -> None:
+        """Sets the length (``total_steps``, None: the fit's) and the position;
+        also for a subclass that builds its schedules at train begin."""
         self.total_steps = check_int(
             total_steps, "total_steps", minimum=1, owner=self.name, example=1000,
             allow_none=True,
