@@ -24,7 +24,7 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
-from fitlib.callbacks.one_cycle import OneCycleScheduler
+from fitlib.callbacks.one_cycle import OneCycleScheduler, peak_lr
 from fitlib.callbacks.progress import SweepBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
 from fitlib.checks import check_int, check_number
@@ -62,7 +62,7 @@ class TrainingShortcuts:
     def fit_one_cycle(
         self,
         epochs: int,
-        max_lr: LR,
+        lr: LR | None = None,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
@@ -70,19 +70,27 @@ class TrainingShortcuts:
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
+        *,
+        max_lr: LR | None = None,
     ) -> None:
         """Trains with the 1cycle policy (see ``OneCycleScheduler``).
 
-        ``max_lr`` is a float, one value per layer group, or a slice: the
-        scheduler spreads it over the groups when training begins.
+        ``lr``, the peak learning rate, is taken as by ``fit``: a float, one
+        value per layer group, or a slice (the scheduler spreads it over the
+        groups when training begins); None is 1e-3, said once. ``max_lr`` is
+        another name for it (``OneCycleScheduler``'s): pass one of the two.
         ``total_steps`` is needed only for a loader without a length.
 
         Example:
-            >>> learn.fit_one_cycle(5, max_lr=1e-2)
+            >>> learn.fit_one_cycle(5, lr=1e-2)
         """
+        if lr is None and max_lr is None:
+            lr = self._default_lr()
+        name, peak = peak_lr(lr, max_lr, owner="Learner.fit_one_cycle")
         sched = OneCycleScheduler(
-            max_lr, div_factor, pct_start, final_div, moms, total_steps
-        )
+            div_factor=div_factor, pct_start=pct_start, final_div=final_div,
+            moms=moms, total_steps=total_steps, **{name: peak},
+        )  # fmt: skip
         self._fit_scheduled(epochs, wd, sched, callbacks)
 
     def fit_flat_cos(

@@ -1,3 +1,4 @@
+import inspect
 import itertools
 import sys
 
@@ -21,6 +22,49 @@ def learner(tmp_path, progress=False, **kwargs):
         progress=progress,
         **kwargs,
     )
+
+
+def test_fit_one_cycle_accepts_lr_like_fit(tmp_path):
+    def run(*args, **kwargs):
+        torch.manual_seed(0)
+        learn = learner(tmp_path)
+        learn.fit_one_cycle(2, *args, **kwargs)
+        weights = [p.detach().clone() for p in learn.model.parameters()]
+        return learn.recorder.lrs, learn.recorder.moms, weights
+
+    lrs, moms, weights = run(lr=1e-2)
+    assert max(lrs) == pytest.approx(1e-2, rel=1e-2)
+    assert lrs[0] == pytest.approx(1e-2 / 25)
+    for same in (run(max_lr=1e-2), run(1e-2)):  # the former name, positional
+        assert same[:2] == (lrs, moms)
+        assert all(map(torch.equal, same[2], weights))
+
+
+def test_fit_one_cycle_with_both_lr_and_max_lr_says_to_pass_one(tmp_path):
+    learn = learner(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"Learner.fit_one_cycle: got lr=0.01 and max_lr=0.02.*pass one",
+    ):
+        learn.fit_one_cycle(1, lr=1e-2, max_lr=2e-2)
+    assert learn.recorder.lrs == []
+
+
+def test_fit_one_cycle_without_an_lr_peaks_at_the_default_and_says_so(tmp_path, capsys):
+    import fitlib.learner
+
+    fitlib.learner._said.discard("lr")
+    learn = learner(tmp_path)
+    learn.fit_one_cycle(1)
+    assert max(learn.recorder.lrs) == pytest.approx(1e-3, rel=1e-2)
+    assert "no lr given; training at lr=1e-3" in capsys.readouterr().out
+
+
+def test_every_fit_shortcut_takes_the_lr_as_lr():
+    for method in ("fit", "fit_one_cycle", "fit_flat_cos", "fit_warmup_cos",
+                   "fit_snapshots"):  # fmt: skip
+        param = inspect.signature(getattr(Learner, method)).parameters["lr"]
+        assert param.default is None, method
 
 
 def test_fit_flat_cos_is_flat_then_anneals_to_zero(tmp_path):

@@ -29,7 +29,8 @@ class OneCycleScheduler(ParamScheduler):
     Args:
         max_lr: the peak learning rate: a float, one per parameter group, or a
             slice spread over the groups (``slice(lo, hi)`` geometrically,
-            ``slice(hi)``: ``hi / 10`` for all groups but the last).
+            ``slice(hi)``: ``hi / 10`` for all groups but the last). ``lr``
+            is another name for it, as in ``Learner.fit_one_cycle``: pass one.
         div_factor: the learning rate starts at ``max_lr / div_factor``.
         pct_start: the fraction of steps spent warming up, in (0, 1).
         final_div: the learning rate ends at ``max_lr / final_div``; None is
@@ -45,14 +46,16 @@ class OneCycleScheduler(ParamScheduler):
 
     def __init__(
         self,
-        max_lr: LR,
+        max_lr: LR | None = None,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
         moms: tuple[float, float] | None = (0.95, 0.85),
         total_steps: int | None = None,
+        *,
+        lr: LR | None = None,
     ) -> None:
-        self.lr_name, self.max_lr = "max_lr", max_lr
+        self.lr_name, self.max_lr = peak_lr(lr, max_lr, owner=self.name)
         check_lr(self.max_lr, self.lr_name)
         owner = self.name
         check_number(div_factor, "div_factor", above=0, owner=owner, example=25.0)
@@ -102,3 +105,26 @@ class OneCycleScheduler(ParamScheduler):
             f"pct_start={self.pct_start}, final_div={self.final_div}, "
             f"moms={self.moms}, total_steps={self.total_steps})"
         )
+
+
+def peak_lr(lr: Any, max_lr: Any, owner: str) -> tuple[str, Any]:
+    """The peak learning rate and the name it was given by: ``lr`` and
+    ``max_lr`` are two names for it, and exactly one must be given (a
+    ValueError for both, a TypeError for neither, from ``owner``).
+
+    Example:
+        >>> peak_lr(None, 1e-2, "OneCycleScheduler")
+        ('max_lr', 0.01)
+    """
+    if lr is not None and max_lr is not None:
+        raise ValueError(
+            f"{owner}: got lr={lr!r} and max_lr={max_lr!r}, two names for the "
+            f"peak learning rate. Fix: pass one of them, e.g. {owner}(..., "
+            f"lr={lr!r})."
+        )
+    if lr is None and max_lr is None:
+        raise TypeError(
+            f"{owner} needs the peak learning rate: got neither lr nor max_lr. "
+            f"Fix: e.g. {owner}(..., lr=1e-2) (learn.lr_find() suggests one)."
+        )
+    return ("lr", lr) if max_lr is None else ("max_lr", max_lr)
