@@ -28,8 +28,8 @@ def child() -> None:
     from torch.nn import functional as F  # noqa: N812
     from torch.utils.data import DataLoader, TensorDataset
 
+    import fitlib.distributed as ranks
     from fitlib import DataBunch, Learner
-    from fitlib import distributed as fd
     from fitlib.callbacks import DistributedTrainer
 
     torch.set_num_threads(1)
@@ -48,8 +48,8 @@ def child() -> None:
     start = time.perf_counter()
     learn.fit(EPOCHS, lr=1e-3)
     seconds = time.perf_counter() - start
-    if fd.is_main():
-        print(json.dumps({"seconds": seconds, "world": fd.world_size()}))
+    if ranks.is_main():
+        print(json.dumps({"seconds": seconds, "world": ranks.world_size()}))
 
 
 def run(n: int, strategy: str) -> float:

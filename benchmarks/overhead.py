@@ -175,7 +175,7 @@ def with_fitlib_1cycle_bf16(train: Batches, valid: Batches) -> float:
         progress=False,
     ).to_bf16()
     start = time.process_time()
-    learn.fit_one_cycle(EPOCHS, max_lr=LR)
+    learn.fit_one_cycle(EPOCHS, lr=LR)
     return time.process_time() - start
 
 

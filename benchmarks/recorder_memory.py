@@ -2,7 +2,7 @@
 
 Workload: a ``Linear(8, 2)`` on one in-memory batch of 4 samples, yielded
 again and again by a cheap loader with a length, one thread, SGD, no
-validation, through ``fitlib.iter_fit`` with a ``Recorder`` and a real
+validation, through ``fitlib.fit_states`` with a ``Recorder`` and a real
 ``Checkpoint`` that saves every 10,000 steps. All the steps are ONE epoch, so
 the Recorder never gets an epoch end to move its pending losses at: what
 stays bounded here is the per-step history *and* the pending device losses.
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from fitlib import DataBunch, iter_fit
+from fitlib import DataBunch, fit_states
 from fitlib.callbacks import Checkpoint, Recorder
 
 FIRST = 10_000  # steps at the first measurement, and between checkpoints
@@ -74,7 +74,7 @@ def run(steps: int, max_points: int | None, dirpath: Path, every: int = FIRST) -
     data = DataBunch(SameBatch(steps), None, device="cpu")
     out = {"rss_start": rss_bytes(), "pending": 0}
     t0 = time.perf_counter()
-    for state in iter_fit(1, model, F.cross_entropy, opt, data, [rec, ckpt], []):
+    for state in fit_states(1, model, F.cross_entropy, opt, data, [rec, ckpt], []):
         out["pending"] = max(out["pending"], len(rec._pending))
         if state["step"] == FIRST:
             out["rss_first"] = rss_bytes()

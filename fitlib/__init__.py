@@ -2,7 +2,8 @@
 
 from fitlib import metrics
 from fitlib.callback import Callback, CallbackHandler
-from fitlib.core import DataBunch, fit, iter_fit, loss_batch, validate
+from fitlib.core import DataBunch, fit, fit_states, loss_batch, validate
+from fitlib.core import iter_fit as iter_fit  # deprecated: the former fit_states
 from fitlib.learner import Learner
 from fitlib.optim import HPOptimizer
 
@@ -14,7 +15,7 @@ __all__ = [
     "HPOptimizer",
     "Learner",
     "fit",
-    "iter_fit",
+    "fit_states",
     "loss_batch",
     "metrics",
     "validate",

@@ -135,8 +135,8 @@ from typing import Any
 
 import torch
 
+import fitlib.distributed as ranks
 from fitlib.dispatch import hook_caller, receives
-from fitlib.distributed import is_main
 from fitlib.errors import add_note
 from fitlib.record import EpochTally, Record, batch_size, check_added, step_lr
 
@@ -487,7 +487,7 @@ class CallbackHandler:
 
     def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
         cbs = callback_list(callbacks)
-        if not is_main():  # another rank of a distributed run: no side effects
+        if not ranks.is_main():  # another rank of a distributed run: no side effects
             cbs = [cb for cb in cbs if not cb.main_only]
         self.callbacks = sorted(cbs, key=lambda cb: cb.order)
         _check_hyper_owners(self.callbacks)

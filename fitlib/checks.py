@@ -11,6 +11,8 @@ which layer and what it expected. A helper, not a callback: the bottom layer
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -22,7 +24,7 @@ from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import Dataset, IterableDataset
 
-from fitlib.errors import add_note, describe, name_of
+from fitlib.errors import ArgTypeError, add_note, describe, is_number, name_of
 
 # Losses that compare output and target element by element: shapes must match.
 _ELEMENTWISE = (
@@ -46,17 +48,107 @@ def len_or_none(dl: Any) -> int | None:
         return None
 
 
+# -- arguments -------------------------------------------------------------------
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    minimum: int = 0,
+    owner: str | None = None,
+    example: Any = None,
+    allow_none: bool = False,
+) -> int | None:
+    """``value`` as an int if it is one ``>= minimum`` (None when
+    ``allow_none``), else an error worded the one way every count is checked:
+    ``"<owner>: <name> must be an int >= <minimum>; got <value> (<type>). Fix:
+    e.g. <owner>(<name>=<example>)."``
+
+    A bool, a float (even ``2.0``), a str or None (unless allowed) raise an
+    ``ArgTypeError`` (a TypeError that is also a ValueError); a smaller int a
+    ValueError. NumPy integers count as ints. ``example`` defaults to
+    ``minimum``.
+
+    Example:
+        >>> check_int(4, "n_batches", minimum=1, owner="GradientAccumulation")
+        4
+    """
+    if value is None and allow_none:
+        return None
+    rule, example = f"an int >= {minimum}", minimum if example is None else example
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgTypeError(_refusal(name, rule, value, owner, example, allow_none))
+    if value < minimum:
+        raise ValueError(_refusal(name, rule, value, owner, example, allow_none))
+    return int(value)
+
+
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    above: float | None = None,
+    minimum: float | None = None,
+    below: float | None = None,
+    what: str = "a number",
+    owner: str | None = None,
+    example: Any,
+    allow_none: bool = False,
+) -> float | None:
+    """``value`` as a float if it is a real number (not a bool, not NaN) in
+    the range the bounds give: ``> above``, ``>= minimum``, ``< below``; else
+    an error in the wording of ``check_int``, with ``what`` naming the kind of
+    number (``"a fraction of training"``) and ``example`` the value the fix
+    suggests. ``below=math.inf`` refuses infinity.
+
+    Example:
+        >>> check_number(0.3, "pct_start", above=0, below=1, example=0.3)
+        0.3
+    """
+    if value is None and allow_none:
+        return None
+    rule = _range(what, above, minimum, below)
+    if not is_number(value):
+        raise ArgTypeError(_refusal(name, rule, value, owner, example, allow_none))
+    inside = (
+        not math.isnan(value)
+        and (above is None or value > above)
+        and (minimum is None or value >= minimum)
+        and (below is None or value < below)
+    )
+    if not inside:
+        raise ValueError(_refusal(name, rule, value, owner, example, allow_none))
+    return float(value)
+
+
+def _range(what: str, above: Any, minimum: Any, below: Any) -> str:
+    low = f"({above:g}" if above is not None else None
+    low = f"[{minimum:g}" if minimum is not None else low
+    if below is None or below == math.inf:  # infinity is said by ``what``
+        bound = f"> {above:g}" if above is not None else None
+        bound = f">= {minimum:g}" if minimum is not None else bound
+        return f"{what} {bound}" if bound else what
+    return f"{what} in {low}, {below:g})" if low else f"{what} < {below:g}"
+
+
+def _refusal(
+    name: str, rule: str, value: Any, owner: str | None, example: Any, none: bool
+) -> str:
+    who = f"{owner}: " if owner else ""
+    call = f"{name}={example}"
+    call = f"{owner}({call})" if owner else call
+    return (
+        f"{who}{name} must be {rule}{' or None' if none else ''}; got {value!r} "
+        f"({type(value).__name__}). Fix: e.g. {call}."
+    )
+
+
 # -- before training -------------------------------------------------------------
 def check_fit_args(epochs: Any, max_steps: Any) -> None:
     """Raises a ValueError unless the fit has a length."""
-    for name, value in (("epochs", epochs), ("max_steps", max_steps)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value <= 0
-        ):
-            raise ValueError(
-                f"{name} must be a positive int; got {value!r} "
-                f"({type(value).__name__}). Fix: pass e.g. {name}=3."
-            )
+    check_int(epochs, "epochs", minimum=1, owner="fit", example=3, allow_none=True)
+    check_int(
+        max_steps, "max_steps", minimum=1, owner="fit", example=1000, allow_none=True
+    )
     if epochs is None and max_steps is None:
         raise ValueError(
             "fit needs a length: got epochs=None and max_steps=None. Fix: pass "

@@ -1,4 +1,5 @@
-"""The training loop: ``fit``, ``loss_batch``, ``validate`` and ``DataBunch``.
+"""The training loop: ``fit_states`` (the loop), ``fit``, ``loss_batch``,
+``validate`` and ``DataBunch``.
 
 Skip the ``cb_handler`` lines and ``fit`` is the plain PyTorch loop. Every
 other feature is a callback (see ``fitlib.callback``).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,7 +81,7 @@ def fit(
         0.93
     """
     history: list[Record] = []
-    for _ in iter_fit(
+    for _ in fit_states(
         epochs,
         model,
         loss_func,
@@ -95,7 +97,7 @@ def fit(
     return history
 
 
-def iter_fit(
+def fit_states(
     epochs: int | None,
     model: nn.Module,
     loss_func: LossFunc,
@@ -110,15 +112,16 @@ def iter_fit(
 ) -> Iterator[dict]:
     """The training loop, one batch at a time: ``fit`` drains it.
 
-    Yields the handler's state after each training batch (read it, do not keep
-    it). Closing the generator ends training cleanly: ``on_train_end(None)``
-    runs. A ``break`` out of a ``for`` closes it when nothing else refers to
-    it; if you keep it in a variable, call its ``close()`` (until then the
-    Ctrl-C handler of the loop stays installed). Arguments as for ``fit``;
-    ``history``, a list, receives each epoch's record as the epoch ends.
+    Yields the loop's state (the dict of state keys) after each training
+    batch (read it, do not keep it). Closing the generator ends training
+    cleanly: ``on_train_end(None)`` runs. A ``break`` out of a ``for`` closes
+    it when nothing else refers to it; if you keep it in a variable, call its
+    ``close()`` (until then the Ctrl-C handler of the loop stays installed).
+    Arguments as for ``fit``; ``history``, a list, receives each epoch's
+    record as the epoch ends.
 
     Example:
-        >>> for state in iter_fit(None, model, loss_func, opt, data, max_steps=50):
+        >>> for state in fit_states(None, model, loss_func, opt, data, max_steps=50):
         ...     if state["step"] % 10 == 0: print(state["step"])
     """
     opt = _start(epochs, max_steps, model, loss_func, opt, data)
@@ -173,6 +176,17 @@ def _as_metrics(metrics: Any, name: str) -> Metrics:
         return Metrics(metrics)
     except TypeError as e:
         raise TypeError(str(e).replace("metrics", name, 1)) from None
+
+
+def iter_fit(*args: Any, **kwargs: Any) -> Iterator[dict]:
+    """Deprecated: the former name of ``fit_states`` (same arguments)."""
+    warnings.warn(
+        "fitlib.iter_fit is deprecated: it is called fit_states now (it yields "
+        "the loop's state after each training batch).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return fit_states(*args, **kwargs)
 
 
 def _start(

@@ -70,6 +70,13 @@ def reraise(exc: Exception, message: str, as_type: type | None = None) -> NoRetu
     raise exc
 
 
+class ArgTypeError(TypeError, ValueError):
+    """An argument of the wrong type (``fitlib.checks.check_int`` and
+    ``check_number`` raise it). A TypeError, and a ValueError too: several of
+    those checks raised ValueError for every bad value before they shared one
+    helper, and ``except ValueError`` around them must keep working."""
+
+
 def is_number(x: Any) -> bool:
     """A real number (int, float, numpy's), not a bool: what numeric arguments
     are checked with."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+import fitlib.distributed as ranks
 from fitlib import metrics as fm
 from fitlib.callback import Callback, CallbackHandler, callback_list
 from fitlib.callbacks.progress import ProgressBar
@@ -24,14 +25,20 @@ from fitlib.core import (
     check_model,
     evaluating,
     first_tensor,
-    iter_fit,
+    fit_states,
     model_device,
     to_device,
     validate,
 )
-from fitlib.distributed import barrier, is_main
 from fitlib.errors import name_of
-from fitlib.optim import HPOptimizer, check_hyper, check_opt_func, lr_per_group
+from fitlib.optim import (
+    LR,
+    HPOptimizer,
+    check_hyper,
+    check_lr,
+    check_opt_func,
+    lr_per_group,
+)
 from fitlib.serialization import (
     atomic_save,
     check_model_state,
@@ -48,7 +55,6 @@ from fitlib.sharding import (
 )
 from fitlib.shortcuts import TrainingShortcuts
 
-LR = float | slice | Sequence[float]
 NORM_TYPES = (
     nn.modules.batchnorm._BatchNorm,
     nn.modules.instancenorm._InstanceNorm,
@@ -165,22 +171,29 @@ class Learner(TrainingShortcuts):
         ``learn.recorder.epoch_table()`` keeps those of every fit.
         """
         history: list[dict] = []
-        for _ in self._iter_fit(epochs, lr, wd, callbacks, max_steps, history):
+        steps = self._fit_states(epochs, lr, wd, callbacks, max_steps, history=history)
+        for _ in steps:
             pass
         return history
 
-    def _iter_fit(
+    def _fit_states(
         self,
         epochs: int | None,
         lr: LR | None,
         wd: float | None,
         callbacks: Iterable[Callback] | Callback | None,
         max_steps: int | None,
+        scheduled: bool = False,
         history: list | None = None,
     ) -> Iterator[dict]:
-        """The loop (``iter_fit``) over this Learner's model, data and callbacks."""
-        self.create_opt(lr, wd)
-        return iter_fit(
+        """The loop (``fit_states``) over this Learner's model, data and
+        callbacks. ``scheduled``: a scheduler among the callbacks sets the lr
+        (``lr`` is then unused), so the optimizer's is left to it."""
+        if scheduled:
+            self._opt_for_schedule(wd)
+        else:
+            self.create_opt(lr, wd)
+        return fit_states(
             epochs,
             self.model,
             self.loss_func,
@@ -194,26 +207,47 @@ class Learner(TrainingShortcuts):
         )
 
     def create_opt(self, lr: LR | None, wd: float | None = None) -> HPOptimizer:
-        """Creates the optimizer on first use; afterwards only sets lr and wd."""
-        lrs, wd = self.lr_range(lr), self.wd if wd is None else wd
+        """Creates the optimizer on first use; afterwards only sets lr and wd.
+
+        ``lr`` (None: 1e-3, said once) goes as given to the optimizer, which
+        checks it and spreads it over the layer groups (``HPOptimizer.set_lr``).
+        """
+        lr = self._default_lr() if lr is None else lr
+        wd = self.wd if wd is None else wd
         if self.opt is None:
             groups = [{"params": params} for params in self.layer_groups]
             self.opt = HPOptimizer(
-                groups, self._opt_func(), lr=lrs, wd=wd, true_wd=self.true_wd
+                groups, self._opt_func(), lr=lr, wd=wd, true_wd=self.true_wd
             )
         else:
-            self.opt.lr, self.opt.wd = lrs, wd
+            self.opt.set_lr(lr)
+            self.opt.wd = wd
         return self.opt
+
+    def _opt_for_schedule(self, wd: float | None) -> HPOptimizer:
+        """The optimizer of a fit whose scheduler sets the lr. The scheduler
+        spreads its lr over the groups and sets the first step's values in
+        ``on_train_begin``, before any step, so an optimizer created now
+        starts at 1e-3 and an existing one keeps its lr until then."""
+        if self.opt is None:
+            return self.create_opt(1e-3, wd)
+        self.opt.wd = self.wd if wd is None else wd
+        return self.opt
+
+    def _default_lr(self) -> float:
+        """The lr used when none is given: 1e-3, said once per process."""
+        return _default("lr", 1e-3)
 
     def _callbacks(self, extra: Iterable[Callback] | Callback | None) -> list:
         cbs = [self.recorder, *self.callbacks, *callback_list(extra)]
         return [*cbs, ProgressBar()] if self.progress else cbs
 
-    def lr_range(self, lr: LR | None) -> list[float]:
+    def lr_range(self, lr: LR | None, name: str = "lr") -> list[float]:
         """One learning rate per layer group from a float, slice or sequence
-        (None: the default, 1e-3, said once)."""
-        lr = _default("lr", 1e-3) if lr is None else lr
-        return lr_per_group(lr, len(self.layer_groups))
+        (None: the default, 1e-3, said once), checked and spread once."""
+        lr = self._default_lr() if lr is None else lr
+        check_lr(lr, name)
+        return lr_per_group(lr, len(self.layer_groups), name)
 
     # -- freezing --------------------------------------------------------------
     def freeze_to(self, n: int) -> None:
@@ -316,10 +350,10 @@ class Learner(TrainingShortcuts):
                 if (cb_state := cb.state_dict())
             ]
         path = self._file(name)
-        if is_main():
+        if ranks.is_main():
             atomic_save(state, path)
         if is_sharded(self.model):
-            barrier()  # every rank is here: none loads before the file exists
+            ranks.barrier()  # every rank is here: none loads before the file exists
         return path
 
     def load(self, name: str | Path, with_opt: bool = True) -> Learner:
@@ -368,7 +402,7 @@ _DEFAULTS = {
 def _default(name: str, value: Any) -> Any:
     """``value``, the default of ``name``: said once per process, as the Gluon
     Fit API asks (users are told when a default is used for them)."""
-    if name not in _said and is_main():
+    if name not in _said and ranks.is_main():
         _said.add(name)
         print(f"fitlib: {_DEFAULTS[name]}")
     return value
@@ -395,7 +429,7 @@ def _default_metrics(loss_func: Callable) -> list:
     )
     if not is_clf:
         return []
-    if "accuracy" not in _said and is_main():  # once, not once per process
+    if "accuracy" not in _said and ranks.is_main():  # once, not once per process
         _said.add("accuracy")
         print(
             "fitlib: no metrics given; reporting accuracy since the loss is "

@@ -29,14 +29,17 @@ they live in the parameter groups, so a checkpoint keeps them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from fitlib.errors import is_number
+from fitlib.errors import ArgTypeError, is_number
 
 HyperParam = float | Sequence[float]
+# A learning rate to train at: one number, one per parameter group, or a slice
+# spread over the groups (see lr_per_group).
+LR = float | slice | Sequence[float]
 _TRUE_WD_KEY = "fitlib_true_wd"  # stored in each group, so state_dict keeps it
 NAMES = ("lr", "mom", "wd", "beta")
 _FIX = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
@@ -52,7 +55,8 @@ class HPOptimizer:
     Args:
         params: parameters or parameter-group dicts, as for any torch optimizer.
         opt_func: the optimizer class, e.g. ``torch.optim.SGD``.
-        lr: learning rate.
+        lr: learning rate: a number, one per parameter group, or a slice
+            spread over the groups (see ``lr_per_group``).
         mom: momentum (SGD, RMSprop) or beta1 (Adam family); None keeps the
             optimizer's default.
         wd: weight decay.
@@ -68,18 +72,19 @@ class HPOptimizer:
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
         opt_func: Callable[..., torch.optim.Optimizer],
-        lr: HyperParam,
+        lr: LR,
         mom: HyperParam | None = None,
         wd: HyperParam = 0.0,
         beta: HyperParam | None = None,
         true_wd: bool = False,
     ) -> None:
-        _check_positive("lr", lr)
+        check_lr(lr)
         check_opt_func(opt_func)
         params = _check_params(params)
-        first_lr = lr if isinstance(lr, (int, float)) else lr[0]
-        self._adopt(opt_func(params, lr=first_lr), true_wd)
-        self.lr = lr
+        # As torch reads params: a list of group dicts, or one group.
+        lrs = lr_per_group(lr, len(params) if isinstance(params[0], dict) else 1)
+        self._adopt(opt_func(params, lr=lrs[0]), true_wd)
+        self._write_values("lr", lrs)
         if mom is not None:
             self.mom = mom
         if beta is not None:
@@ -207,6 +212,18 @@ class HPOptimizer:
         for group, v in zip(self.param_groups, values):
             _write(group, key, index, v)
 
+    def set_lr(self, lr: LR, name: str = "lr") -> None:
+        """Sets the learning rate to train at, as the constructor does: a
+        number > 0, one per group, or a slice spread over the groups (checked
+        by ``check_lr``, spread by ``lr_per_group``; ``name`` is the argument
+        the messages name).
+
+        Example:
+            >>> opt.set_lr(slice(1e-4, 1e-2))  # 3 groups: 1e-4, 1e-3, 1e-2
+        """
+        check_lr(lr, name)
+        self._write_values("lr", lr_per_group(lr, len(self.param_groups), name))
+
     def set_scheduled(self, name: str, value: HyperParam) -> None:
         """Sets ``name`` to a schedule's ``value`` times the factors ``scale``
         accumulated in this fit: a reduction persists under a schedule."""
@@ -312,10 +329,7 @@ class HPOptimizer:
             values = [value]  # refused below, by type
         check_hyper(name, values, value)
         if len(values) != n:
-            raise ValueError(
-                f"{name}: got {len(values)} values {list(values)} for {n} parameter "
-                f"group(s). Fix: pass one number, or exactly {n} values."
-            )
+            raise ValueError(count_mismatch(name, values, n))
         return [float(v) for v in values]
 
     @torch.no_grad()
@@ -366,35 +380,104 @@ def _collapse(values: list[float]) -> float | list[float]:
     return values[0] if all(v == values[0] for v in values) else values
 
 
-def lr_per_group(lr: float | slice | Sequence[float], n: int) -> list[float]:
-    """One learning rate per parameter group from a float, slice or sequence.
+def check_lr(lr: Any, name: str = "lr") -> None:
+    """The one check of a learning rate to train at, before it is spread.
 
+    Refuses (naming ``name``, the argument as the caller called it) what is
+    not a number > 0 and finite, a non-empty sequence of them (one per
+    parameter group) or a slice of them with a stop; and a named tuple, such
+    as the ``SuggestedLRs`` of ``lr_find``, which would pass for one value
+    per group. A wrong type is an ``ArgTypeError`` (a TypeError that is also
+    a ValueError), a value out of range a ValueError.
+
+    Example:
+        >>> check_lr(slice(1e-4, 1e-2))  # fine; lr_per_group spreads it
+    """
+    if isinstance(lr, tuple) and hasattr(lr, "_fields"):
+        raise ArgTypeError(_named_tuple_message(lr, name))
+    if isinstance(lr, slice):
+        values = [v for v in (lr.start, lr.stop) if v is not None]
+        form = lr.stop is not None
+    elif _is_number(lr):
+        values, form = [lr], True
+    elif isinstance(lr, Iterable) and not isinstance(lr, (str, bytes, Iterator)):
+        values = list(lr)  # a list, tuple, numpy array (not a one-pass iterator)
+        form = bool(values)
+    else:
+        values, form = [], False
+    message = (
+        f"{name} must be > 0: a number, one per parameter group, or a slice "
+        f"(slice(lo, hi) spreads lo..hi over the groups); got {lr!r} "
+        f"({type(lr).__name__}). Fix: e.g. {name}=1e-3 (learn.lr_find() "
+        "suggests one)."
+    )
+    if not form or not all(_is_number(v) for v in values):
+        raise ArgTypeError(message)
+    if not all(0 < float(v) < math.inf for v in values):
+        raise ValueError(message)
+
+
+def lr_per_group(lr: LR, n: int, name: str = "lr") -> list[float]:
+    """One learning rate per parameter group from what ``check_lr`` accepts:
+    the one place a learning rate is spread over the groups.
+
+    A number goes to every group; a sequence must have ``n`` values;
     ``slice(lo, hi)`` spreads rates geometrically from the first group to the
     last; ``slice(hi)`` gives the last group ``hi`` and the others ``hi / 10``.
+    A slice needs two groups at least.
 
     Example:
         >>> lr_per_group(slice(1e-4, 1e-2), 3)
         [0.0001, 0.001, 0.01]
     """
-    if not isinstance(lr, slice):
-        _check_positive("lr", lr)
-        return [float(lr)] * n if isinstance(lr, (int, float)) else list(lr)
-    if lr.stop is None or lr.stop <= 0 or (lr.start is not None and lr.start <= 0):
-        raise ValueError(
-            f"lr: got {lr!r}; a slice needs a positive stop, and a positive "
-            "start if any. Fix: lr=slice(1e-5, 1e-3)."
-        )
+    if isinstance(lr, slice):
+        return _spread(lr, n, name)
+    if _is_number(lr):
+        return [float(lr)] * n
+    values = [float(v) for v in lr]
+    if len(values) != n:
+        raise ValueError(count_mismatch(name, values, n))
+    return values
+
+
+def _spread(lr: slice, n: int, name: str) -> list[float]:
     if n == 1:
         raise ValueError(
-            f"lr={lr!r} spreads learning rates over layer groups, but there is "
-            "only 1 parameter group, so the slice would mean nothing. Fix: pass "
-            "one number (e.g. lr=1e-3), or split the model into groups, e.g. "
-            "Learner(..., layer_groups=[body, head])."
+            f"{name}={lr!r} spreads learning rates over layer groups, but there "
+            "is only 1 parameter group, so the slice would mean nothing. Fix: "
+            f"pass one number (e.g. {name}=1e-3), or split the model into "
+            "groups, e.g. Learner(..., layer_groups=[body, head])."
         )
+    stop = float(lr.stop)
     if lr.start is None:
-        return [lr.stop / 10] * (n - 1) + [lr.stop]
-    ratio = (lr.stop / lr.start) ** (1 / (n - 1))
-    return [lr.start * ratio**i for i in range(n)]
+        return [stop / 10] * (n - 1) + [stop]
+    start = float(lr.start)
+    ratio = (stop / start) ** (1 / (n - 1))
+    return [start * ratio**i for i in range(n)]
+
+
+def count_mismatch(name: str, values: Sequence[Any], n: int) -> str:
+    """Says that ``values`` (one per parameter group) are not ``n``."""
+    count = f"{len(values)} value{'' if len(values) == 1 else 's'}"
+    groups = f"{n} parameter group{'' if n == 1 else 's'}"
+    fix = "pass one number" if n == 1 else f"pass one number, or exactly {n} values"
+    return f"{name}: got {count} {list(values)} for {groups}. Fix: {fix}."
+
+
+def _named_tuple_message(lr: Any, name: str) -> str:
+    what = type(lr).__name__
+    if "valley" in lr._fields:  # lr_find's SuggestedLRs
+        return (
+            f"{name} got lr_find's suggestions {lr!r}, a {what}: three candidate "
+            "rates, which would be taken as one learning rate per parameter "
+            f"group. Fix: pass the one to use, e.g. {name}=s.valley (with s = "
+            "learn.lr_find())."
+        )
+    return (
+        f"{name} got a named tuple {lr!r}: its values have names, so they are "
+        f"no list of one learning rate per parameter group. Fix: pass one "
+        f"number, or a list (e.g. {name}=list(...))."
+    )
 
 
 def check_hyper(
@@ -465,19 +548,3 @@ def _check_params(params: Any) -> list:
             "and check that layer_groups or a filter on requires_grad keeps any."
         )
     return params
-
-
-def _check_positive(name: str, value: HyperParam, allow_zero: bool = False) -> None:
-    values = [value] if isinstance(value, (int, float)) else list(value)
-    if not values or any(
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or not (v >= 0 if allow_zero else v > 0)
-        or v == float("inf")
-        for v in values
-    ):
-        what = "a number >= 0" if allow_zero else "a positive number"
-        raise ValueError(
-            f"{name} must be {what} (or one per parameter group); got "
-            f"{value!r}. Fix: pass e.g. {name}=1e-3."
-        )

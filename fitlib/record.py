@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fitlib import distributed
+import fitlib.distributed as ranks
 from fitlib.errors import describe
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 
@@ -230,7 +230,7 @@ class EpochTally:
                 m.load_sums(sums)
             self._restored = None
         losses = [self.loss, *self.parts.values()]
-        if distributed.world_size() > 1:  # every process: the same record
+        if ranks.world_size() > 1:  # every process: the same record
             device, finish, metrics = self._reduced(losses)
         else:
             device, finish = _local(losses)
@@ -272,7 +272,7 @@ class EpochTally:
         extra = [*(t.to(device) for t in totals), torch.tensor(counts, device=device)]
         metrics = self.train_metrics
         if metrics.reducer is None:
-            metrics.reducer = distributed.all_reduce_sum
+            metrics.reducer = ranks.all_reduce_sum
         # Every process trains as many batches (a DistributedSampler), so all
         # of them take part in this one collective, or none.
         summed = metrics.reduce([torch.stack(extra[:-1]), extra[-1]])

@@ -10,6 +10,7 @@ import copy
 import inspect
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -23,16 +24,18 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.distributed import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
-from fitlib.callbacks.one_cycle import MaxLR, OneCycleScheduler
+from fitlib.callbacks.one_cycle import OneCycleScheduler, peak_lr
 from fitlib.callbacks.progress import SweepBar
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
+from fitlib.checks import check_int, check_number
 from fitlib.core import fit, len_or_none, to_floats
 from fitlib.metrics import Metrics
+from fitlib.optim import LR
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Where training stands, as ``Learner.fit_iter`` yields it.
+    """Where training stands, as ``Learner.fit_snapshots`` yields it.
 
     ``loss`` is the training loss of the latest batch; ``metrics`` maps
     ``valid_loss`` and each metric to its value after the latest epoch (empty
@@ -48,7 +51,7 @@ class Snapshot:
 
 class TrainingShortcuts:
     """``fit_one_cycle``, ``fit_flat_cos``, ``fit_warmup_cos``, ``lr_find``,
-    ``fit_iter``, ``to_fp16``, ``to_bf16``, ``to_fp32`` and ``to_distributed``,
+    ``fit_snapshots``, ``to_fp16``, ``to_bf16``, ``to_fp32`` and ``to_distributed``,
     for ``Learner``."""
 
     # Provided by Learner.
@@ -59,7 +62,7 @@ class TrainingShortcuts:
     def fit_one_cycle(
         self,
         epochs: int,
-        max_lr: MaxLR,
+        lr: LR | None = None,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
@@ -67,59 +70,83 @@ class TrainingShortcuts:
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
-    ) -> None:
+        *,
+        max_lr: LR | None = None,
+    ) -> list[dict]:
         """Trains with the 1cycle policy (see ``OneCycleScheduler``).
 
-        ``max_lr`` is a float, one value per layer group, or a slice.
+        ``lr``, the peak learning rate, is taken as by ``fit``: a float, one
+        value per layer group, or a slice (the scheduler spreads it over the
+        groups when training begins); None is 1e-3, said once. ``max_lr`` is
+        another name for it (``OneCycleScheduler``'s): pass one of the two.
         ``total_steps`` is needed only for a loader without a length.
 
         Example:
-            >>> learn.fit_one_cycle(5, max_lr=1e-2)
+            >>> learn.fit_one_cycle(5, lr=1e-2)
         """
+        if lr is None and max_lr is None:
+            lr = self._default_lr()
+        name, peak = peak_lr(lr, max_lr, owner="Learner.fit_one_cycle")
         sched = OneCycleScheduler(
-            max_lr, div_factor, pct_start, final_div, moms, total_steps
-        )
-        self.fit(epochs, max_lr, wd, callbacks=[sched, *callback_list(callbacks)])
+            div_factor=div_factor, pct_start=pct_start, final_div=final_div,
+            moms=moms, total_steps=total_steps, **{name: peak},
+        )  # fmt: skip
+        return self._fit_scheduled(epochs, wd, sched, callbacks)
 
     def fit_flat_cos(
         self,
         epochs: int,
-        lr: MaxLR | None = None,
+        lr: LR | None = None,
         pct_start: float = 0.75,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
-    ) -> None:
+    ) -> list[dict]:
         """Trains at ``lr`` for ``pct_start`` of the steps, then anneals to 0.
 
         Example:
             >>> learn.fit_flat_cos(5, lr=1e-3)
         """
-        lrs = self.lr_range(lr)
-        _check_fraction("pct_start", pct_start)
+        lrs = self.lr_range(lr)  # spread over the layer groups, once
+        _check_fraction("pct_start", pct_start, "Learner.fit_flat_cos")
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
+        return self._fit_scheduled(epochs, wd, sched, callbacks)
 
     def fit_warmup_cos(
         self,
         epochs: int,
-        lr: MaxLR | None = None,
+        lr: LR | None = None,
         pct_warmup: float = 0.1,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
-    ) -> None:
+    ) -> list[dict]:
         """Warms up linearly from 0 to ``lr``, then anneals along a cosine to 0.
 
         Example:
             >>> learn.fit_warmup_cos(5, lr=1e-3, pct_warmup=0.05)
         """
-        lrs = self.lr_range(lr)
-        _check_fraction("pct_warmup", pct_warmup)
+        lrs = self.lr_range(lr)  # spread over the layer groups, once
+        _check_fraction("pct_warmup", pct_warmup, "Learner.fit_warmup_cos")
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        self.fit(epochs, lr, wd, callbacks=[sched, *callback_list(callbacks)])
+        return self._fit_scheduled(epochs, wd, sched, callbacks)
+
+    def _fit_scheduled(
+        self,
+        epochs: int,
+        wd: float | None,
+        sched: Callback,
+        callbacks: Iterable[Callback] | None,
+    ) -> list[dict]:
+        """``fit`` with ``sched`` setting the lr: the optimizer's lr is left
+        to it (it holds the lr, spread over the groups). Returns the history."""
+        cbs, history = [sched, *callback_list(callbacks)], []
+        steps = self._fit_states(epochs, None, wd, cbs, None, True, history)
+        for _ in steps:
+            pass
+        return history
 
     def lr_find(
         self,
@@ -183,11 +210,11 @@ class TrainingShortcuts:
             )
         return finder.suggestions
 
-    def fit_iter(
+    def fit_snapshots(
         self,
         n_steps: int,
         every: int = 25,
-        lr: MaxLR | None = None,
+        lr: LR | None = None,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
     ) -> Iterator[Snapshot]:
@@ -199,13 +226,13 @@ class TrainingShortcuts:
         one sync per ``every`` steps.
 
         Example:
-            >>> for snap in learn.fit_iter(n_steps=500, every=100):
+            >>> for snap in learn.fit_snapshots(n_steps=500, every=100):
             ...     print(snap.step, snap.loss)
             ...     if snap.loss < 0.1:
             ...         break
         """
-        _check_every(every)
-        steps = self._iter_fit(None, lr, wd, callbacks, n_steps)
+        check_int(every, "every", minimum=1, owner="Learner.fit_snapshots", example=25)
+        steps = self._fit_states(None, lr, wd, callbacks, n_steps)
         t0, names = time.perf_counter(), ["valid_loss", *Metrics(self.metrics).names]
         with closing(steps):
             for state in steps:
@@ -219,13 +246,25 @@ class TrainingShortcuts:
                     step, state["epoch"], values[0], metrics, time.perf_counter() - t0
                 )
 
+    def fit_iter(self, *args: Any, **kwargs: Any) -> Iterator[Snapshot]:
+        """Deprecated: the former name of ``fit_snapshots`` (same arguments)."""
+        warnings.warn(
+            "Learner.fit_iter is deprecated: it is called fit_snapshots now (it "
+            "yields a Snapshot every `every` optimizer steps).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.fit_snapshots(*args, **kwargs)
+
     def _sweep_epochs(self, num_it: int) -> int:
         """Epochs enough for ``num_it`` optimizer steps."""
         n_batches = len_or_none(self.data.train_dl)
         if n_batches is None:
             return num_it  # each epoch has a batch at least: the finder stops
         per_step = math.prod(
-            cb.n_steps for cb in self.callbacks if isinstance(cb, GradientAccumulation)
+            cb.n_batches
+            for cb in self.callbacks
+            if isinstance(cb, GradientAccumulation)
         )
         return math.ceil(num_it / math.ceil(n_batches / per_step))
 
@@ -308,17 +347,8 @@ def _states(callbacks: list[Callback]) -> list[dict]:
     return [copy.deepcopy(cb.state_dict()) for cb in callbacks]
 
 
-def _check_every(every: object) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"every must be a positive int (optimizer steps between snapshots); "
-            f"got {every!r}. Fix: e.g. every=25."
-        )
-
-
-def _check_fraction(name: str, value: Any) -> None:
-    if not (isinstance(value, (int, float)) and 0 < value < 1):
-        raise ValueError(
-            f"{name} must be a fraction of training in (0, 1); got {value!r}. "
-            f"Fix: e.g. {name}=0.25."
-        )
+def _check_fraction(name: str, value: Any, owner: str) -> None:
+    check_number(
+        value, name, above=0, below=1, what="a fraction of training", owner=owner,
+        example=0.25,
+    )  # fmt: skip

@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
+import fitlib.distributed as ranks
 from fitlib import Callback, DataBunch, Learner
-from fitlib import distributed as fd
 from fitlib.callbacks import (
     Checkpoint,
     CSVLogger,
@@ -38,13 +38,13 @@ class Crash(Callback):
         self.ranks = ranks
 
     def on_batch_end(self, iteration, train):
-        if train and iteration == 5 and fd.rank() in self.ranks:
-            raise RuntimeError(f"simulated crash on rank {fd.rank()}")
+        if train and iteration == 5 and ranks.rank() in self.ranks:
+            raise RuntimeError(f"simulated crash on rank {ranks.rank()}")
 
 
 class NaNOnRank1(Callback):
     def on_loss_begin(self, last_output, iteration, train):
-        if train and iteration == 4 and fd.rank() == 1:
+        if train and iteration == 4 and ranks.rank() == 1:
             return {"last_output": last_output * float("nan")}
         return None
 
@@ -114,10 +114,10 @@ def main(mode: str, out: Path) -> None:
         "train_losses": watch.values,
         "valid_loss": rec.valid_losses[-1],
         "metrics": rec.metrics[-1],
-        "world": fd.world_size(),
+        "world": ranks.world_size(),
         "nan": [nan.nan_iteration, nan.stop_iteration, rec.iterations],
     }
-    atomic_save(result, out / f"rank{fd.rank()}.pth")
+    atomic_save(result, out / f"rank{ranks.rank()}.pth")
 
 
 if __name__ == "__main__":

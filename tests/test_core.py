@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
 from fitlib.callbacks import ProgressBar, Recorder
-from fitlib.core import batch_size, iter_fit, loss_batch, to_device
+from fitlib.core import batch_size, fit_states, loss_batch, to_device
 from fitlib.metrics import accuracy
 
 OPTIMIZERS = {
@@ -165,7 +165,7 @@ def _fit(epochs=1, data=None, loss_func=F.cross_entropy, model=None, **kw):
 @pytest.mark.parametrize("epochs", [0, -2, 2.5, True, "3"])
 def test_epochs_must_be_a_positive_int(epochs):
     with pytest.raises(
-        ValueError, match=rf"epochs must be a positive int; got {epochs!r}"
+        ValueError, match=rf"epochs must be an int >= 1 or None; got {epochs!r}"
     ):
         _fit(epochs)
 
@@ -345,7 +345,9 @@ def test_max_steps_and_epochs_whichever_comes_first():
 
 @pytest.mark.parametrize("max_steps", [0, -1, 2.0, True])
 def test_max_steps_must_be_a_positive_int(max_steps):
-    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+    with pytest.raises(
+        ValueError, match=rf"max_steps must be an int >= 1 or None; got {max_steps!r}"
+    ):
         _fit(1, max_steps=max_steps)
 
 
@@ -367,7 +369,7 @@ def test_n_steps_is_capped_by_max_steps():
     assert seen == {"n_steps": 21, "max_steps": None}
 
 
-def test_iter_fit_yields_after_each_training_batch_and_ends_cleanly_on_break():
+def test_fit_states_yields_after_each_training_batch_and_ends_cleanly_on_break():
     ends = []
 
     class End(Callback):
@@ -376,7 +378,7 @@ def test_iter_fit_yields_after_each_training_batch_and_ends_cleanly_on_break():
 
     model = make_model()
     opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    gen = iter_fit(3, model, F.cross_entropy, opt, make_data(), [End()])
+    gen = fit_states(3, model, F.cross_entropy, opt, make_data(), [End()])
     seen = []
     for state in gen:
         seen.append((state["iteration"], state["train"]))
@@ -386,6 +388,21 @@ def test_iter_fit_yields_after_each_training_batch_and_ends_cleanly_on_break():
     assert ends == [] or ends == [None]
     gen.close()  # the for loop's break leaves it suspended until collected
     assert ends == [None]
+
+
+def test_iter_fit_is_a_deprecated_alias_of_fit_states_yielding_the_same():
+    import fitlib
+
+    def run(loop):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        states = loop(2, model, F.cross_entropy, opt, make_data(), max_steps=9)
+        return [(s["iteration"], s["step"], s["last_loss"]) for s in states]
+
+    with pytest.warns(DeprecationWarning, match="called fit_states now"):
+        old = run(fitlib.iter_fit)
+    assert old == run(fitlib.fit_states) and len(old) == 9
 
 
 # -- evaluation puts back the mode it found -----------------------------------

@@ -199,7 +199,7 @@ def test_default_metric_for_cross_entropy_is_accuracy_and_said_once(capsys, tmp_
 def test_non_positive_lr_is_rejected_before_training(tmp_path, lr):
     learn = learner(tmp_path)
     before = snapshot(learn.model)
-    with pytest.raises(ValueError, match="lr must be a positive number"):
+    with pytest.raises(ValueError, match=rf"lr must be > 0: .*got {lr!r}"):
         learn.fit(1, lr=lr)
     assert not any(changed(before, learn.model))
 
@@ -375,7 +375,7 @@ def test_one_callback_is_accepted_where_a_list_is_expected(tmp_path):
 
 
 # -- evaluation inside training leaves training as it was ------------------------
-def test_evaluating_inside_fit_iter_leaves_the_model_training(tmp_path):
+def test_evaluating_inside_fit_snapshots_leaves_the_model_training(tmp_path):
     learn = learner(tmp_path)
     modes = []
 
@@ -385,7 +385,7 @@ def test_evaluating_inside_fit_iter_leaves_the_model_training(tmp_path):
                 modes.append(model.training)
 
     item = learn.data.valid_dl.dataset[0][0]
-    for _ in learn.fit_iter(12, every=3, lr=1e-2, callbacks=[Probe()]):
+    for _ in learn.fit_snapshots(12, every=3, lr=1e-2, callbacks=[Probe()]):
         learn.validate()
         learn.get_preds()
         learn.predict(item)

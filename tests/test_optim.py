@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pytest
 import torch
@@ -79,7 +80,9 @@ def test_values_per_parameter_group_for_discriminative_rates():
 
 @pytest.mark.parametrize("bad", [0, -1e-3, [1e-3, 0.0]])
 def test_non_positive_lr_is_rejected(bad):
-    with pytest.raises(ValueError, match="lr must be a positive number"):
+    with pytest.raises(
+        ValueError, match=rf"lr must be > 0: .*got {re.escape(repr(bad))}"
+    ):
         HPOptimizer(params().parameters(), torch.optim.SGD, lr=bad)
 
 
@@ -234,6 +237,45 @@ def test_a_slice_of_learning_rates_needs_several_groups():
         with pytest.raises(ValueError, match=r"only 1 parameter group.*layer_groups"):
             lr_per_group(lr, 1)
     assert lr_per_group(slice(1e-2), 2) == [1e-3, 1e-2]
+
+
+def test_the_optimizer_spreads_a_slice_over_its_groups_when_made_and_in_set_lr():
+    model = params()
+    groups = [{"params": m.parameters()} for m in model]
+    opt = HPOptimizer(groups, torch.optim.SGD, lr=slice(1e-3, 1e-2))
+    assert opt.lr == pytest.approx([1e-3, 1e-2])
+    opt.set_lr(slice(1e-1))
+    assert opt.lr == pytest.approx([1e-2, 1e-1])
+    opt.set_lr(0.5)
+    assert opt.lr == 0.5
+    with pytest.raises(ValueError, match=r"max_lr must be > 0: .*got -1"):
+        opt.set_lr(-1, name="max_lr")
+
+
+def test_a_count_unlike_the_groups_says_value_and_group_in_the_singular():
+    from fitlib.optim import lr_per_group
+
+    with pytest.raises(ValueError) as info:
+        lr_per_group([1e-3], 3)
+    assert "lr: got 1 value [0.001] for 3 parameter groups." in str(info.value)
+    with pytest.raises(ValueError) as info:
+        lr_per_group([1e-3, 1e-2], 1, name="max_lr")
+    message = str(info.value)
+    assert "max_lr: got 2 values [0.001, 0.01] for 1 parameter group." in message
+    assert message.endswith("Fix: pass one number.") and "1 values" not in message
+    opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"got 2 values \[0\.1, 0\.2\] for 1 param"):
+        opt.mom = [0.1, 0.2]
+
+
+@pytest.mark.parametrize(
+    "bad", ["1e-3", None, [], [1e-3, "x"], slice(None, None), iter([1e-3])]
+)
+def test_an_lr_of_the_wrong_type_is_a_type_error_naming_it(bad):
+    from fitlib.optim import check_lr
+
+    with pytest.raises(TypeError, match=r"lr must be > 0: a number, one per "):
+        check_lr(bad)
 
 
 # -- scale: reductions that persist under a schedule -----------------------------

@@ -96,10 +96,10 @@ def test_no_training_batch_gives_no_train_loss():
 
 def test_under_several_processes_train_values_are_over_all_ranks(monkeypatch):
     """Every rank must reach the same decision: the values are global."""
-    from fitlib import distributed
+    import fitlib.distributed as ranks
 
     shards = {0: ([1.0, 3.0], [2, 2]), 1: ([5.0], [4])}  # losses, batch sizes
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(ranks, "world_size", lambda: 2)
     records = []
     for rank in (0, 1):
         tally = EpochTally()
@@ -112,6 +112,6 @@ def test_under_several_processes_train_values_are_over_all_ranks(monkeypatch):
         def fake_all_reduce(t, o=other):
             return t + o
 
-        monkeypatch.setattr(distributed, "all_reduce_sum", fake_all_reduce)
+        monkeypatch.setattr(ranks, "all_reduce_sum", fake_all_reduce)
         records.append(tally.record(0, None, [], 0.1))
     assert [r["train_loss"] for r in records] == [pytest.approx((2 + 6 + 20) / 8)] * 2

@@ -1,8 +1,8 @@
-"""``GradientAccumulation``: one optimizer step per ``n_steps`` batches.
+"""``GradientAccumulation``: one optimizer step per ``n_batches`` batches.
 
-The gradients of ``n_steps`` batches add up before each step, so the step
-equals one on an ``n_steps`` times larger batch: each batch's loss is scaled
-by its share of the group's samples. A group shorter than ``n_steps`` at the
+The gradients of ``n_batches`` batches add up before each step, so the step
+equals one on an ``n_batches`` times larger batch: each batch's loss is scaled
+by its share of the group's samples. A group shorter than ``n_batches`` at the
 end of an epoch (the ragged last group) steps too, with its gradients
 rescaled to its own sample count, as is a group whose last batch is smaller.
 
@@ -16,19 +16,23 @@ when training ends is not stepped.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int
 from fitlib.core import batch_size, len_or_none
 
 
 class GradientAccumulation(Callback):
-    """Steps the optimizer every ``n_steps`` batches, as on one larger batch.
+    """Steps the optimizer every ``n_batches`` batches, as on one larger batch.
 
     Args:
-        n_steps: the number of batches whose gradients each step uses.
+        n_batches: the number of batches whose gradients each step uses.
+        n_steps: the former name of ``n_batches`` (deprecated: the state key
+            ``n_steps`` counts optimizer steps, this argument batches).
 
     Example:
         >>> # batches of 16, steps as with batches of 64:
@@ -37,13 +41,24 @@ class GradientAccumulation(Callback):
 
     order = -30  # before MixedPrecision and clipping, which act only on steps
 
-    def __init__(self, n_steps: int) -> None:
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-            raise ValueError(
-                f"GradientAccumulation: n_steps must be an int >= 1 (batches per "
-                f"optimizer step); got {n_steps!r}. Fix: e.g. n_steps=4."
+    def __init__(self, n_batches: int | None = None, *, n_steps: Any = None) -> None:
+        if n_steps is not None:
+            if n_batches is not None:
+                raise ValueError(
+                    f"{self.name}: got n_batches={n_batches!r} and n_steps="
+                    f"{n_steps!r}; n_steps is the former name of n_batches. Fix: "
+                    f"pass one, e.g. {self.name}(n_batches={n_batches!r})."
+                )
+            warnings.warn(
+                f"{self.name}(n_steps=...) is deprecated: the argument counts "
+                f"batches. Use {self.name}(n_batches={n_steps!r}).",
+                DeprecationWarning,
+                stacklevel=2,
             )
-        self.n_steps = n_steps
+            n_batches = n_steps
+        self.n_batches = check_int(
+            n_batches, "n_batches", minimum=1, owner=self.name, example=4
+        )
         self._count = self._samples = self._group = self._first = self._size = 0
         self._no_sync: Any = None
 
@@ -63,7 +78,7 @@ class GradientAccumulation(Callback):
         self._len = len_or_none(data.train_dl)
         if self._len is None or n_epochs is None:
             return {"n_steps": max_steps}
-        steps = n_epochs * math.ceil(self._len / self.n_steps)
+        steps = n_epochs * math.ceil(self._len / self.n_batches)
         return {"n_steps": min(steps, max_steps or steps)}
 
     def on_batch_begin(
@@ -74,8 +89,8 @@ class GradientAccumulation(Callback):
             return
         self._size = batch_size(last_target, last_input)
         if self._count == 0:  # a group starts: how many batches, how large
-            left = self.n_steps if self._len is None else self._len - num_batch
-            self._group, self._first = max(min(self.n_steps, left), 1), self._size
+            left = self.n_batches if self._len is None else self._len - num_batch
+            self._group, self._first = max(min(self.n_batches, left), 1), self._size
         if self._count + 1 < self._group:  # no gradient all-reduce before the step
             if hasattr(model, "no_sync"):  # DistributedDataParallel
                 self._no_sync = model.no_sync()
@@ -139,4 +154,15 @@ class GradientAccumulation(Callback):
         self._group, self._first = int(state["group"]), int(state["first"])
 
     def __repr__(self) -> str:
-        return f"{self.name}(n_steps={self.n_steps})"
+        return f"{self.name}(n_batches={self.n_batches})"
+
+    @property
+    def n_steps(self) -> int:
+        """The former name of ``n_batches`` (deprecated)."""
+        warnings.warn(
+            f"{self.name}.n_steps is deprecated: it counts batches. Use "
+            f"{self.name}.n_batches.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.n_batches

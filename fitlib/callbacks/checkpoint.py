@@ -36,7 +36,7 @@ A run that reaches its end (its epochs or ``max_steps``, or a callback's
 ``stop_training``) writes a final checkpoint marked finished; rerunning then
 trains nothing. Its weights are those of the last step: ``EarlyStopping
 (restore_best=True)`` restores the best ones after it (``monitor`` keeps
-them in ``best.pth``). A ``fit_iter`` closed between two steps leaves a
+them in ``best.pth``). A ``fit_snapshots`` closed between two steps leaves a
 checkpoint to resume from; an exception or Ctrl-C leaves the last regular
 one (it may have cut a step in two). Only the first fit of a ``Checkpoint``
 object resumes: a second fit in the same process starts anew.
@@ -87,7 +87,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fitlib import distributed as fd
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
 from fitlib.callbacks.resume import (
@@ -104,6 +104,7 @@ from fitlib.callbacks.resume import (
     run_differences,
     run_signature,
 )
+from fitlib.checks import check_int
 from fitlib.core import len_or_none
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (
@@ -166,15 +167,7 @@ class Checkpoint(Callback):
         if every_n_epochs is _DEFAULT:
             every_n_epochs = None if every_n_steps is not None else 1
         check_interval(every_n_epochs, every_n_steps)
-        if (
-            isinstance(keep_last, bool)
-            or not isinstance(keep_last, int)
-            or keep_last < 1
-        ):
-            raise ValueError(
-                f"keep_last must be an int >= 1 (checkpoints kept); got "
-                f"{keep_last!r}. Fix: e.g. keep_last=3."
-            )
+        check_int(keep_last, "keep_last", minimum=1, owner=self.name, example=3)
         self.dirpath = _check_dirpath(dirpath)
         check_writable(self.dirpath)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
@@ -226,9 +219,9 @@ class Checkpoint(Callback):
         self._rng_before_fetch: dict | None = None
         # As the fit begins, before schedulers set their first values.
         self._run = run_signature(opt, n_epochs, max_steps, data.train_dl, callbacks)
-        if fd.is_main():
+        if ranks.is_main():
             remove_temporaries(self.dirpath)  # the lock says no run writes them
-        fd.barrier()  # every rank sees the same files
+        ranks.barrier()  # every rank sees the same files
         # A later fit of this object continues the process, not a crashed run.
         newest = self.checkpoints()[-1:] if self.resume and not self._fits else []
         self._fits += 1
@@ -292,7 +285,7 @@ class Checkpoint(Callback):
 
     def on_train_end(self, **state: Any) -> None:
         """Runs at the end: a final checkpoint marks a run that reached its end;
-        one stopped cleanly between batches (a closed ``fit_iter``) gets a
+        one stopped cleanly between batches (a closed ``fit_snapshots``) gets a
         checkpoint to resume from. Then the directory is unlocked."""
         try:
             if state["exception"] is None or self._ended(state["epoch"]):
@@ -326,13 +319,13 @@ class Checkpoint(Callback):
         """Rank 0 checks and locks the directory; every rank raises if it failed."""
         self._lock.release()  # hooks driven by hand, without on_train_end
         problem = None
-        if fd.is_main():
+        if ranks.is_main():
             try:
                 check_writable(self.dirpath)
                 self._lock.acquire()
             except Exception as e:  # raised below, once every rank knows
                 problem = e
-        if fd.broadcast_int(problem is not None):  # no rank waits on a failed one
+        if ranks.broadcast_int(problem is not None):  # no rank waits on a failed one
             raise problem or ValueError(
                 f"Checkpoint: rank 0 could not use {str(self.dirpath)!r}; its "
                 "error says why."
@@ -351,29 +344,30 @@ class Checkpoint(Callback):
         newest = self.checkpoints()[-1:]
         number = int(_NAME.fullmatch(newest[0].name)[1]) + 1 if newest else 0
         path = self.dirpath / f"checkpoint-{number:06d}.pth"
-        if fd.is_main():
+        if ranks.is_main():
             self._watch.warn_changed()
         self._write(path, where)
         self._due = False
-        if fd.is_main():
+        if ranks.is_main():
             for old in self.checkpoints()[: -self.keep_last]:
                 old.unlink(missing_ok=True)
-        fd.barrier()  # no rank runs ahead of a save
+        ranks.barrier()  # no rank runs ahead of a save
 
     def _write(self, path: Path, where: Position) -> None:
         # Every rank's RNG states (each draws its own dropout) and callback
         # states (each sums its own losses); rank 0 writes.
         rng = self._rng_before_fetch if where.num_batch else get_rng_state(self._loader)
-        rngs, epoch_rngs = fd.gather_to_all(rng), fd.gather_to_all(self._epoch_rng)
+        rngs = ranks.gather_to_all(rng)
+        epoch_rngs = ranks.gather_to_all(self._epoch_rng)
         states = [[cb.name, cb.state_dict()] for cb in self._others]
         # Inside an epoch: its sums so far (the record's train loss, ...).
         tally = self._tally.state_dict() if where.num_batch else None
-        several = fd.world_size() > 1  # then host tensors only: they cross ranks
-        states = fd.gather_to_all(host_copy(states) if several else states)
-        tallies = fd.gather_to_all(host_copy(tally) if several else tally)
+        several = ranks.world_size() > 1  # then host tensors only: they cross ranks
+        states = ranks.gather_to_all(host_copy(states) if several else states)
+        tallies = ranks.gather_to_all(host_copy(tally) if several else tally)
         # A sharded model's and optimizer's whole state, gathered from every rank.
         model, opt = model_state(self._model), optimizer_state(self._opt, self._model)
-        if not fd.is_main():
+        if not ranks.is_main():
             return
         atomic_save(
             {
@@ -515,20 +509,20 @@ class Checkpoint(Callback):
 def _own_states(saved: dict, path: Path) -> None:
     """Keeps this rank's RNG and callback states of a checkpoint (one per rank
     that saved)."""
-    world = fd.world_size()
+    world = ranks.world_size()
     if len(saved["rng"]) != world:
         raise ValueError(
             f"{str(path)!r} was saved by {len(saved['rng'])} process(es); this "
             f"run has {world}. Fix: launch as many (torchrun --nproc_per_node), "
             "or Checkpoint(resume=False)."
         )
-    saved["rng"] = saved["rng"][fd.rank()]
+    saved["rng"] = saved["rng"][ranks.rank()]
     if saved.get("rank_callbacks"):
-        saved["callbacks"] = saved["rank_callbacks"][fd.rank()]
+        saved["callbacks"] = saved["rank_callbacks"][ranks.rank()]
     if saved.get("tally") is not None:
-        saved["tally"] = saved["tally"][fd.rank()]
+        saved["tally"] = saved["tally"][ranks.rank()]
     if saved["epoch_rng"] is not None:
-        saved["epoch_rng"] = saved["epoch_rng"][fd.rank()]
+        saved["epoch_rng"] = saved["epoch_rng"][ranks.rank()]
 
 
 def _watched(monitor: Any) -> str | None:
@@ -551,5 +545,5 @@ def _check_dirpath(dirpath: Any) -> Path:
 
 
 def _say(message: str) -> None:
-    if fd.is_main():  # one line, not one per process
+    if ranks.is_main():  # one line, not one per process
         print(message)

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-from fitlib import distributed as fd
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
 from fitlib.core import call_model
 from fitlib.sharding import is_sharded, shard_model
@@ -106,12 +106,12 @@ class DistributedTrainer(Callback):
         self.strategy = _check_strategy(strategy, fsdp_units, fsdp_kwargs)
         self.fsdp_units, self.fsdp_kwargs = _unit_test(fsdp_units), fsdp_kwargs or {}
         self.find_unused_parameters, self.timeout = find_unused_parameters, timeout
-        self.enabled = fd.launched()
+        self.enabled = ranks.launched()
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if self.enabled:
             _check_backend(self.backend)
             self.device = _device(self.backend)
-            if not fd.active():
+            if not ranks.active():
                 dist.init_process_group(self.backend, timeout=timeout)
         self.module: nn.Module | None = None  # the model, unwrapped
 
@@ -125,8 +125,8 @@ class DistributedTrainer(Callback):
         self.module = model
         fsdp = self.strategy == "fsdp"
         wrapped = self._shard(model, opt) if fsdp else self._ddp(model)
-        metrics.reducer = fd.all_reduce_sum  # validation sums over every rank
-        seed = fd.broadcast_int(int(torch.randint(2**31, ()).item()))
+        metrics.reducer = ranks.all_reduce_sum  # validation sums over every rank
+        seed = ranks.broadcast_int(int(torch.randint(2**31, ()).item()))
         sharded = _Sharded(data, seed)
         # Under FSDP every forward needs every rank: the longest shard sets the pace.
         valid = sharded.valid_dl
@@ -177,7 +177,9 @@ class DistributedTrainer(Callback):
         metrics.reducer = None
 
     def __repr__(self) -> str:
-        where = f"rank {fd.rank()} of {fd.world_size()}" if self.enabled else "off"
+        where = (
+            f"rank {ranks.rank()} of {ranks.world_size()}" if self.enabled else "off"
+        )
         return f"{self.name}({self.strategy}, {self.backend}, {where})"
 
 
@@ -209,7 +211,7 @@ class BatchShard(Sampler):
 
 def _reload(dl: Any, name: str, seed: int) -> DataLoader:
     """``dl`` again, with this rank's sampler."""
-    world, rank = fd.world_size(), fd.rank()
+    world, rank = ranks.world_size(), ranks.rank()
     if not isinstance(dl, DataLoader) or not _replaceable(dl):
         raise ValueError(
             f"DistributedTrainer: cannot give each rank its shard of {name} "
@@ -304,7 +306,7 @@ def _check_backend(backend: str) -> None:
 
 def _device(backend: str) -> torch.device:
     if backend == "nccl":
-        device = torch.device("cuda", fd.local_rank())
+        device = torch.device("cuda", ranks.local_rank())
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")

@@ -14,6 +14,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
+from fitlib.checks import check_int
 from fitlib.errors import is_number
 from fitlib.serialization import host_copy
 from fitlib.sharding import load_model, model_state
@@ -83,8 +84,10 @@ class EarlyStopping(Callback):
         start_from_epoch: int = 0,
     ) -> None:
         self.monitor = Monitor(monitor, mode, min_delta, owner=self.name)
-        self.patience = _check_count("patience", patience)
-        self.start_from_epoch = _check_count("start_from_epoch", start_from_epoch)
+        self.patience = check_int(patience, "patience", owner=self.name, example=3)
+        self.start_from_epoch = check_int(
+            start_from_epoch, "start_from_epoch", owner=self.name, example=0
+        )
         self.baseline = _check_baseline(baseline)
         if not isinstance(restore_best, bool):
             raise TypeError(
@@ -228,20 +231,6 @@ class EarlyStopping(Callback):
 
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"EarlyStopping: {name} must be an int (a number of epochs); got "
-            f"{value!r} ({type(value).__name__}). Fix: e.g. {name}=3."
-        )
-    if value < 0:
-        raise ValueError(
-            f"EarlyStopping: {name} must be >= 0 epochs; got {value}. "
-            f"Fix: e.g. {name}=0."
-        )
-    return value
 
 
 def _check_baseline(baseline: Any) -> float | None:

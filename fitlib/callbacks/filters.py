@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fitlib.callback import EVENTS, STATE_KEYS, Callback, _overrides
+from fitlib.checks import check_int
 from fitlib.dispatch import hook_caller
 
 UNITS = ("steps", "epochs")
@@ -312,16 +313,7 @@ def _check(
             f"(type {type(callback).__name__}). Fix: pass a Callback instance, "
             f"e.g. {builder}(Recorder(), ...)."
         )
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(
-            f"{builder}: {name} must be an int >= 1; got {count!r} "
-            f"({type(count).__name__}). Fix: e.g. {name}=100."
-        )
-    if count < 1:
-        raise ValueError(
-            f"{builder}: {name} must be >= 1 (steps and epochs count from 1); "
-            f"got {count}. Fix: e.g. {name}=1 for the first."
-        )
+    check_int(count, name, minimum=1, owner=builder, example=100)
     if unit not in UNITS:
         raise ValueError(
             f"{builder}: unit must be one of {UNITS}; got {unit!r}. Fix: "

@@ -27,9 +27,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
+from fitlib.checks import check_int, check_number
 from fitlib.core import to_floats
-from fitlib.distributed import is_main
 from fitlib.errors import is_number
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import host_copy
@@ -172,7 +173,7 @@ class LRFinder(Callback):
         self.lrs = [self.lr_at(i) for i in range(end)]
         self._losses, self._floats = [], []
         if self.losses and math.isfinite(self.losses[0]):  # else none: lr_find says
-            self._suggest(losses, warn=exception is None and is_main())
+            self._suggest(losses, warn=exception is None and ranks.is_main())
 
     def _suggest(self, losses: list[float], warn: bool) -> None:
         """Suggestions off the record; problems off the whole sweep read, past
@@ -348,16 +349,12 @@ def _check_args(
             f"the sweep needs 0 < start_lr < end_lr; got start_lr={start_lr!r}, "
             f"end_lr={end_lr!r}. Fix: e.g. start_lr=1e-7, end_lr=10."
         )
-    if isinstance(num_it, bool) or not isinstance(num_it, int) or num_it < 2:
-        raise ValueError(
-            f"num_it must be an int >= 2 (the optimizer steps of the sweep); got "
-            f"{num_it!r}. Fix: e.g. num_it=100."
-        )
+    check_int(num_it, "num_it", minimum=2, owner="LRFinder", example=100)
     if mode not in ("exp", "linear"):
         raise ValueError(
             f"mode must be 'exp' (geometric lr steps) or 'linear'; got {mode!r}."
         )
-    if not (is_number(check_every) and check_every >= 0):
-        raise ValueError(
-            f"check_every must be a number of seconds >= 0; got {check_every!r}."
-        )
+    check_number(
+        check_every, "check_every", minimum=0, what="a number of seconds",
+        owner="LRFinder", example=0.25,
+    )  # fmt: skip

@@ -19,14 +19,15 @@ creates its optimizer fused. bfloat16 needs no scaler and never syncs.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import torch
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int, check_number
 from fitlib.core import model_device
-from fitlib.errors import is_number
 from fitlib.optim import found_inf
 from fitlib.sharding import is_sharded
 
@@ -207,22 +208,14 @@ class MixedPrecision(Callback):
 
 
 def _check_scaler_args(init_scale: Any, growth_interval: Any) -> None:
-    number = is_number(init_scale)
-    if not (number and 0 < init_scale < float("inf")):
-        raise ValueError(
-            f"MixedPrecision: init_scale must be a finite number > 0 (the first "
-            f"loss scale); got {init_scale!r}. Fix: e.g. init_scale=2.0**16."
-        )
-    if (
-        isinstance(growth_interval, bool)
-        or not isinstance(growth_interval, int)
-        or growth_interval < 1
-    ):
-        raise ValueError(
-            f"MixedPrecision: growth_interval must be an int >= 1 (good steps "
-            f"before the loss scale doubles); got {growth_interval!r}. Fix: "
-            "e.g. growth_interval=2000."
-        )
+    check_number(
+        init_scale, "init_scale", above=0, below=math.inf, what="a finite number",
+        owner="MixedPrecision", example="2.0**16",
+    )  # fmt: skip
+    check_int(
+        growth_interval, "growth_interval", minimum=1, owner="MixedPrecision",
+        example=2000,
+    )  # fmt: skip
 
 
 def _check_device(dtype: torch.dtype, device: torch.device) -> None:

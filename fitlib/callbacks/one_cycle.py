@@ -11,23 +11,26 @@ of ``torch.optim.lr_scheduler.OneCycleLR`` given ``div_factor``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from fitlib.callbacks.schedule import ParamScheduler, cosine
+from fitlib.checks import check_number
 from fitlib.errors import is_number
-from fitlib.optim import lr_per_group
-
-MaxLR = float | slice | Sequence[float]
+from fitlib.optim import LR, check_lr, lr_per_group
 
 
 class OneCycleScheduler(ParamScheduler):
     """Trains with one cycle of learning rate and momentum (Smith, 2018).
 
+    The schedules are built in ``on_train_begin``, where the optimizer's
+    parameter groups are known: that is where ``max_lr`` is spread over them
+    (it is checked here, when the scheduler is made).
+
     Args:
         max_lr: the peak learning rate: a float, one per parameter group, or a
             slice spread over the groups (``slice(lo, hi)`` geometrically,
-            ``slice(hi)``: ``hi / 10`` for all groups but the last).
+            ``slice(hi)``: ``hi / 10`` for all groups but the last). ``lr``
+            is another name for it, as in ``Learner.fit_one_cycle``: pass one.
         div_factor: the learning rate starts at ``max_lr / div_factor``.
         pct_start: the fraction of steps spent warming up, in (0, 1).
         final_div: the learning rate ends at ``max_lr / final_div``; None is
@@ -43,22 +46,25 @@ class OneCycleScheduler(ParamScheduler):
 
     def __init__(
         self,
-        max_lr: MaxLR,
+        max_lr: LR | None = None,
         div_factor: float = 25.0,
         pct_start: float = 0.3,
         final_div: float | None = None,
         moms: tuple[float, float] | None = (0.95, 0.85),
         total_steps: int | None = None,
+        *,
+        lr: LR | None = None,
     ) -> None:
-        _check_max_lr(max_lr)
-        _check_number("div_factor", div_factor, "25.0", low=0.0)
-        if not (is_number(pct_start) and 0 < pct_start < 1):
-            raise ValueError(
-                f"pct_start must be a fraction of training in (0, 1); got "
-                f"{pct_start!r}. Fix: e.g. pct_start=0.3 (30% of steps warming up)."
-            )
+        self.lr_name, self.max_lr = peak_lr(lr, max_lr, owner=self.name)
+        check_lr(self.max_lr, self.lr_name)
+        owner = self.name
+        check_number(div_factor, "div_factor", above=0, owner=owner, example=25.0)
+        check_number(
+            pct_start, "pct_start", above=0, below=1, what="a fraction of training",
+            owner=owner, example=0.3,
+        )  # fmt: skip
         final_div = div_factor * 1e4 if final_div is None else final_div
-        _check_number("final_div", final_div, "div_factor * 1e4", low=0.0)
+        check_number(final_div, "final_div", above=0, owner=owner, example=1e4)
         if moms is not None and not (
             len(moms) == 2 and all(is_number(m) and 0 <= m < 1 for m in moms)
         ):
@@ -66,15 +72,21 @@ class OneCycleScheduler(ParamScheduler):
                 f"moms must be two momentums in [0, 1), or None; got {moms!r}. "
                 "Fix: e.g. moms=(0.95, 0.85)."
             )
-        self.max_lr, self.div_factor, self.pct_start = max_lr, div_factor, pct_start
+        self.div_factor, self.pct_start = div_factor, pct_start
         self.final_div, self.moms = final_div, moms
-        # The lr schedule needs the number of parameter groups: built later.
-        names = ("lr",) if moms is None else ("lr", "mom")
-        super().__init__(dict.fromkeys(names, _placeholder), total_steps)
+        self.schedules = {}  # built in on_train_begin, for the optimizer's groups
+        self._plan(total_steps)
+
+    @property
+    def sets_hypers(self) -> tuple[str, ...]:
+        """``lr``, and ``mom`` unless ``moms`` is None: known before training."""
+        return ("lr",) if self.moms is None else ("lr", "mom")
 
     def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
-        """Runs before training: builds the schedules for this optimizer."""
-        top = lr_per_group(self.max_lr, len(opt.param_groups))
+        """Runs before training: builds the schedules for this optimizer's
+        parameter groups (spreading ``max_lr`` over them), sets the first
+        values."""
+        top = lr_per_group(self.max_lr, len(opt.param_groups), self.lr_name)
         low = [lr / self.div_factor for lr in top]
         end = [lr / self.final_div for lr in top]
         warm, cool = self.pct_start, 1 - self.pct_start
@@ -95,32 +107,24 @@ class OneCycleScheduler(ParamScheduler):
         )
 
 
-def _placeholder(pct: float) -> float:
-    raise AssertionError("OneCycleScheduler builds its schedules at train begin")
+def peak_lr(lr: Any, max_lr: Any, owner: str) -> tuple[str, Any]:
+    """The peak learning rate and the name it was given by: ``lr`` and
+    ``max_lr`` are two names for it, and exactly one must be given (a
+    ValueError for both, a TypeError for neither, from ``owner``).
 
-
-def _check_number(name: str, value: Any, example: str, low: float) -> None:
-    if not (is_number(value) and value > low):
+    Example:
+        >>> peak_lr(None, 1e-2, "OneCycleScheduler")
+        ('max_lr', 0.01)
+    """
+    if lr is not None and max_lr is not None:
         raise ValueError(
-            f"{name} must be a number > {low:g}; got {value!r}. Fix: e.g. "
-            f"{name}={example}."
+            f"{owner}: got lr={lr!r} and max_lr={max_lr!r}, two names for the "
+            f"peak learning rate. Fix: pass one of them, e.g. {owner}(..., "
+            f"lr={lr!r})."
         )
-
-
-def _check_max_lr(max_lr: Any) -> None:
-    if isinstance(max_lr, slice):
-        parts = [p for p in (max_lr.start, max_lr.stop) if p is not None]
-        ok = max_lr.stop is not None and all(is_number(p) and p > 0 for p in parts)
-    elif is_number(max_lr):
-        ok = max_lr > 0
-    else:
-        try:
-            ok = len(max_lr) > 0 and all(is_number(v) and v > 0 for v in max_lr)
-        except TypeError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"max_lr must be > 0: a float, one per parameter group, or a slice; "
-            f"got {max_lr!r}. Fix: e.g. max_lr=1e-2, or find one with "
-            "learn.lr_find()."
+    if lr is None and max_lr is None:
+        raise TypeError(
+            f"{owner} needs the peak learning rate: got neither lr nor max_lr. "
+            f"Fix: e.g. {owner}(..., lr=1e-2) (learn.lr_find() suggests one)."
         )
+    return ("lr", lr) if max_lr is None else ("max_lr", max_lr)

@@ -13,6 +13,7 @@ from typing import Any
 
 from fitlib.callback import Callback
 from fitlib.callbacks.monitor import Monitor
+from fitlib.checks import check_int, check_number
 from fitlib.errors import is_number
 from fitlib.optim import HPOptimizer
 
@@ -78,15 +79,12 @@ class ReduceLROnPlateau(Callback):
         cooldown: int = 0,
         verbose: bool = False,
     ) -> None:
-        if not is_number(factor) or not 0 < factor < 1:
-            raise ValueError(
-                f"ReduceLROnPlateau: factor must be a number in (0, 1); got "
-                f"{factor!r}. Fix: e.g. factor=0.2 (each reduction divides lr by 5)."
-            )
+        self.factor = check_number(
+            factor, "factor", above=0, below=1, owner=self.name, example=0.2
+        )
         self.monitor = Monitor(monitor, mode, min_delta, owner=self.name)
-        self.factor = float(factor)
-        self.patience = _check_count("patience", patience)
-        self.cooldown = _check_count("cooldown", cooldown)
+        self.patience = check_int(patience, "patience", owner=self.name, example=2)
+        self.cooldown = check_int(cooldown, "cooldown", owner=self.name, example=0)
         self.min_lr = _check_min_lr(min_lr)
         self.verbose = verbose
         self.reset()
@@ -195,20 +193,6 @@ class ReduceLROnPlateau(Callback):
             f"factor={self.factor}, patience={self.patience}, "
             f"cooldown={self.cooldown}, min_lr={self.min_lr})"
         )
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"ReduceLROnPlateau: {name} must be an int (a number of epochs); got "
-            f"{value!r} ({type(value).__name__}). Fix: e.g. {name}=2."
-        )
-    if value < 0:
-        raise ValueError(
-            f"ReduceLROnPlateau: {name} must be >= 0 epochs; got {value}. "
-            f"Fix: e.g. {name}=0."
-        )
-    return value
 
 
 def _check_min_lr(min_lr: Any) -> float | list[float]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int, check_number
 from fitlib.core import len_or_none
 from fitlib.record import Record
 
@@ -185,12 +186,8 @@ class SweepBar(Callback):
     def __init__(
         self, total: int, refresh: float = 0.25, bars: bool | None = None
     ) -> None:
-        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-            raise ValueError(
-                f"total must be a positive int (the optimizer steps of the "
-                f"sweep); got {total!r}. Fix: e.g. SweepBar(total=100)."
-            )
-        self.total, self.bars = total, bars
+        self.total = check_int(total, "total", minimum=1, owner=self.name, example=100)
+        self.bars = bars
         self.refresh = _check_refresh(refresh, "SweepBar")
         self.pb: Any = None  # the bar of the sweep in progress
 
@@ -247,13 +244,10 @@ class SweepBar(Callback):
 
 
 def _check_refresh(refresh: Any, owner: str) -> float:
-    number = isinstance(refresh, (int, float)) and not isinstance(refresh, bool)
-    if not (number and refresh >= 0):
-        raise ValueError(
-            f"refresh must be a number of seconds >= 0; got {refresh!r}. "
-            f"Fix: e.g. {owner}(refresh=0.25)."
-        )
-    return float(refresh)
+    return check_number(
+        refresh, "refresh", minimum=0, what="a number of seconds", owner=owner,
+        example=0.25,
+    )  # fmt: skip
 
 
 def _loss_comment(smooth: torch.Tensor) -> str:

@@ -23,6 +23,7 @@ import torch
 
 from fitlib import plots
 from fitlib.callback import Callback, LossSmoother
+from fitlib.checks import check_int
 from fitlib.optim import lr_and_momentum
 from fitlib.record import LOOP_KEYS, Record, batch_size, to_floats
 
@@ -151,14 +152,9 @@ class Recorder(Callback):
     order = 50
 
     def __init__(self, max_points: int = 4096) -> None:
-        if isinstance(max_points, bool) or not isinstance(max_points, int):
-            max_points = -1  # refused below, with the value received
-        if max_points < 2:
-            raise ValueError(
-                f"Recorder(max_points=...) must be an int >= 2 (the per-step "
-                f"points kept); got {max_points!r}. Fix: e.g. max_points=4096."
-            )
-        self._max_points = max_points
+        self._max_points = check_int(
+            max_points, "max_points", minimum=2, owner=self.name, example=4096
+        )
         self.reset()
         # The latest LR finder sweep (lrs, losses, suggestions), for
         # plot_lr_find; Learner.lr_find sets it. Not part of the history.
@@ -494,12 +490,7 @@ class Recorder(Callback):
             The Axes.
         """
         for name, value in (("skip_start", skip_start), ("skip_end", skip_end)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"plot_lr_find({name}=...) must be an int >= 0 (points of "
-                    f"the sweep left out); got {value!r}. Fix: e.g. {name}=5, or "
-                    "0 to plot them all."
-                )
+            check_int(value, name, owner="Recorder.plot_lr_find", example=5)
         result = self.lr_find_result
         if not result or not result["lrs"]:
             raise ValueError(

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int
 from fitlib.core import len_or_none
 from fitlib.serialization import optimizer_differences, optimizer_identity
 
@@ -279,10 +280,7 @@ def check_interval(every_n_epochs: Any, every_n_steps: Any) -> None:
         ("every_n_epochs", every_n_epochs),
         ("every_n_steps", every_n_steps),
     ):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(
-                f"{name} must be an int >= 1; got {n!r}. Fix: e.g. {name}=1."
-            )
+        check_int(n, name, minimum=1, owner="Checkpoint", example=1, allow_none=True)
 
 
 def check_writable(dirpath: Path) -> None:

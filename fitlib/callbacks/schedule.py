@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int
 from fitlib.errors import is_number
 
 Value = float | list[float]  # one value, or one per parameter group
@@ -131,16 +132,15 @@ class ParamScheduler(Callback):
         self, schedules: Mapping[str, Phases], total_steps: int | None = None
     ) -> None:
         self.schedules = _check_schedules(schedules)
-        if total_steps is not None and (
-            isinstance(total_steps, bool)
-            or not isinstance(total_steps, int)
-            or total_steps < 1
-        ):
-            raise ValueError(
-                f"total_steps must be a positive int or None; got {total_steps!r}. "
-                "Fix: the number of optimizer steps the schedule spans, e.g. 1000."
-            )
-        self.total_steps = total_steps
+        self._plan(total_steps)
+
+    def _plan(self, total_steps: int | None) -> None:
+        """Sets the length (``total_steps``, None: the fit's) and the position;
+        also for a subclass that builds its schedules at train begin."""
+        self.total_steps = check_int(
+            total_steps, "total_steps", minimum=1, owner=self.name, example=1000,
+            allow_none=True,
+        )  # fmt: skip
         self.step, self.total = 0, 0
 
     def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
+from fitlib.checks import check_int
 from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size, to_floats
 
@@ -76,16 +77,9 @@ class TensorBoardLogger(Callback):
         hparams: dict | None = None,
     ) -> None:
         self.log_dir = _check_log_dir(log_dir)
-        if (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps < 1
-        ):
-            raise ValueError(
-                f"every_n_steps must be a positive int; got {every_n_steps!r}. "
-                "Fix: e.g. TensorBoardLogger('runs/exp1', every_n_steps=50)."
-            )
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_int(
+            every_n_steps, "every_n_steps", minimum=1, owner=self.name, example=50
+        )
         self.hparams = _check_hparams(hparams)
         # Imported now: a missing package fails before training starts.
         self._writer_cls, self._hparams_summaries = _tensorboard()

@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from fitlib import distributed as fd
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
+from fitlib.checks import check_number
 
 
 class TerminateOnNaN(Callback):
@@ -60,17 +61,10 @@ class TerminateOnNaN(Callback):
     in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(self, check_every: float = 1.0) -> None:
-        if (
-            isinstance(check_every, bool)
-            or not isinstance(check_every, (int, float))
-            or not check_every >= 0  # also catches NaN
-        ):
-            raise ValueError(
-                f"check_every must be a number of seconds >= 0; got "
-                f"{check_every!r} ({type(check_every).__name__}). Fix: e.g. "
-                "TerminateOnNaN(check_every=1.0); 0 checks every batch."
-            )
-        self.check_every = float(check_every)
+        self.check_every = check_number(
+            check_every, "check_every", minimum=0, what="a number of seconds",
+            owner=self.name, example=1.0,
+        )  # fmt: skip
         self._reset()
 
     def _reset(self) -> None:
@@ -90,7 +84,7 @@ class TerminateOnNaN(Callback):
     def on_train_begin(self, iteration: int) -> None:
         """Runs before training: forgets the previous fit, starts the clock."""
         self._reset()
-        if fd.world_size() > 1:  # a first check after one batch sets the pace
+        if ranks.world_size() > 1:  # a first check after one batch sets the pace
             self._next_check = iteration
 
     def on_batch_end(
@@ -139,7 +133,7 @@ class TerminateOnNaN(Callback):
             return False
         self.nan_loss, self.nan_iteration, self.nan_epoch, self.nan_batch = bad
         self.stop_iteration = stop_iteration
-        if fd.is_main():
+        if ranks.is_main():
             print(self._message(), file=sys.stderr)
         return True
 
@@ -149,7 +143,7 @@ class TerminateOnNaN(Callback):
         """The first bad loss of any rank, and the next check's iteration at
         rank 0's pace: every rank calls this at the same iteration."""
         pace = self.check_every * batches / seconds if seconds > 0 else 1.0
-        seen = fd.gather_to_all((bad, pace))
+        seen = ranks.gather_to_all((bad, pace))
         pace = seen[0][1]
         step = 1 if not math.isfinite(pace) else max(1, int(pace))
         self._next_check = iteration + step if math.isfinite(pace) else math.inf

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from fitlib.checks import check_int
+
 # RunningLoss and step_lr live with the epoch record; imported from here too.
 from fitlib.record import RunningLoss, step_lr  # noqa: F401
 
@@ -59,15 +61,10 @@ class TrainClock:
 
 def check_every_n_steps(value: Any, owner: str, allow_none: bool = False) -> Any:
     """``value`` if it is an int >= 1 (or None when allowed), else a ValueError."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        none = " (or None for no step lines)" if allow_none else ""
-        raise ValueError(
-            f"{owner}: every_n_steps must be an int >= 1{none}; got {value!r} "
-            f"({type(value).__name__}). Fix: e.g. {owner}(every_n_steps=100)."
-        )
-    return value
+    return check_int(
+        value, "every_n_steps", minimum=1, owner=owner, example=100,
+        allow_none=allow_none,
+    )  # fmt: skip
 
 
 def check_state_keys(state: Any, expected: tuple[str, ...], owner: str) -> None:

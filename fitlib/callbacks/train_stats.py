@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitlib import distributed as fd
+import fitlib.distributed as ranks
 from fitlib.callback import Callback
 from fitlib.callbacks.tracking import (
     TrainClock,
@@ -121,7 +121,7 @@ class TrainStats(Callback):
     def on_train_begin(self, iteration: int, model: nn.Module) -> None:
         """Runs before training: starts afresh, unless the fit is resumed."""
         self._sharded = model is not None and is_sharded(model)
-        self._active = fd.is_main() or self._sharded
+        self._active = ranks.is_main() or self._sharded
         if iteration == 0:
             self._reset()
 
@@ -176,7 +176,7 @@ class TrainStats(Callback):
         self.history.append(stats)
         self._norms, self._last_step, self._samples = [], step, 0
         self._grad_sum, self._grad_finite, self._grad_steps = 0.0, 0, 0
-        if fd.is_main():
+        if ranks.is_main():
             self.logger.info(_line(stats))
 
     def _norm(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
@@ -185,7 +185,7 @@ class TrainStats(Callback):
             return global_norm(tensors)
         norm = global_norm(local(t) for t in tensors)
         # (an asynchronous all-reduce: no host sync)
-        return None if norm is None else fd.all_reduce_sum(norm.square()).sqrt()
+        return None if norm is None else ranks.all_reduce_sum(norm.square()).sqrt()
 
     def _read_interval(
         self, extra: list[torch.Tensor]

@@ -5,12 +5,9 @@ import math
 import torch
 from torch import Tensor
 
+from fitlib.checks import check_int, check_number
 from fitlib.metrics.accumulate import Metric, accumulation_dtype
 from fitlib.metrics.functions import _match, _pred_classes, check_class_targets
-
-
-def _is_number(x: object, above: float, t: type | tuple = (int, float)) -> bool:
-    return isinstance(x, t) and not isinstance(x, bool) and x > above
 
 
 class FBeta(Metric):
@@ -39,18 +36,17 @@ class FBeta(Metric):
     def __init__(
         self, beta: float = 1.0, average: str = "macro", num_classes: int | None = None
     ) -> None:
-        if not _is_number(beta, above=0):
-            raise ValueError(f"beta must be a number > 0, got {beta!r}. Fix: beta=1.0")
+        owner = type(self).__name__
+        check_number(beta, "beta", above=0, owner=owner, example=1.0)
         if average not in self.AVERAGES:
             raise ValueError(
                 f"average must be one of {self.AVERAGES}, got {average!r}. "
                 'Fix: average="macro".'
             )
-        if num_classes is not None and not _is_number(num_classes, above=1, t=int):
-            raise ValueError(
-                f"num_classes must be an int >= 2 or None, got {num_classes!r}. "
-                "Fix: num_classes=None takes it from the output."
-            )
+        check_int(
+            num_classes, "num_classes", minimum=2, owner=owner, example="None",
+            allow_none=True,
+        )  # fmt: skip
         self.beta, self.average, self.num_classes = float(beta), average, num_classes
         self.name = f"f{beta:g}_score"
         super().__init__()

@@ -60,9 +60,9 @@ class Steps(Callback):
             self.lrs.append(opt.stepped[0])
 
 
-def train(train_dl, n_steps=None, epochs=2, opt="sgd_momentum", callbacks=()):
+def train(train_dl, n_batches=None, epochs=2, opt="sgd_momentum", callbacks=()):
     model = mlp()
-    accumulate = [] if n_steps is None else [GradientAccumulation(n_steps)]
+    accumulate = [] if n_batches is None else [GradientAccumulation(n_batches)]
     data = DataBunch(train_dl, None, device="cpu")
     fit(epochs, model, F.cross_entropy, OPTIMIZERS[opt](model), data,
         [*accumulate, *callbacks])  # fmt: skip
@@ -155,14 +155,29 @@ def test_gradients_are_kept_only_inside_a_group():
     assert call_hook(acc, "on_step_end", skip_step=False) is None
 
 
-@pytest.mark.parametrize("n_steps", [0, -1, 2.0, 1.5, True, False, "2", None])
-def test_bad_n_steps_is_a_clear_error(n_steps):
-    with pytest.raises(ValueError, match=r"n_steps must be an int >= 1.*Fix"):
-        GradientAccumulation(n_steps)
+@pytest.mark.parametrize("n_batches", [0, -1, 2.0, 1.5, True, False, "2", None])
+def test_bad_n_batches_is_a_clear_error(n_batches):
+    with pytest.raises(ValueError, match=r"n_batches must be an int >= 1.*Fix"):
+        GradientAccumulation(n_batches)
 
 
 def test_one_step_per_batch_is_allowed():
-    assert GradientAccumulation(1).n_steps == 1
+    assert GradientAccumulation(1).n_batches == 1
+
+
+def test_the_argument_and_attribute_are_named_n_batches():
+    acc = GradientAccumulation(n_batches=4)
+    assert acc.n_batches == 4 and repr(acc) == "GradientAccumulation(n_batches=4)"
+
+
+def test_the_former_keyword_n_steps_still_works_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"GradientAccumulation\(n_batches=4\)"):
+        acc = GradientAccumulation(n_steps=4)
+    assert acc.n_batches == 4
+    with pytest.warns(DeprecationWarning, match=r"GradientAccumulation\.n_batches"):
+        assert acc.n_steps == 4
+    with pytest.raises(ValueError, match=r"n_batches=2 and n_steps=4.*pass one"):
+        GradientAccumulation(2, n_steps=4)
 
 
 # -- through fit -----------------------------------------------------------------
@@ -183,7 +198,7 @@ def test_accumulating_n_batches_equals_one_batch_n_times_larger(opt, n_train, n)
     assert not same_weights(train(loader(n_train, 16), opt=opt), large)
 
 
-def test_n_steps_one_changes_nothing():
+def test_n_batches_one_changes_nothing():
     assert same_weights(train(loader(100, 16), 1), train(loader(100, 16)))
 
 

@@ -309,16 +309,16 @@ def test_two_fits_with_one_checkpoint_object_both_train(tmp_path):
     assert learn.recorder.epochs == [0, 1, 2, 3, 4]
 
 
-def test_a_closed_fit_iter_leaves_a_checkpoint_to_resume_from(tmp_path):
+def test_a_closed_fit_snapshots_leaves_a_checkpoint_to_resume_from(tmp_path):
     learn = learner([Checkpoint(tmp_path)])
-    for snap in learn.fit_iter(n_steps=20, every=5):
+    for snap in learn.fit_snapshots(n_steps=20, every=5):
         if snap.step == 10:
             break
     again = learner([Checkpoint(tmp_path)])
-    steps = [snap.step for snap in again.fit_iter(n_steps=20, every=5)]
+    steps = [snap.step for snap in again.fit_snapshots(n_steps=20, every=5)]
     assert steps == [15, 20]
     ref = learner()
-    list(ref.fit_iter(n_steps=20, every=5))
+    list(ref.fit_snapshots(n_steps=20, every=5))
     assert same_run(ref, again)
 
 

@@ -7,8 +7,8 @@ from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, IterableDataset
 
+import fitlib.distributed as ranks
 from fitlib import DataBunch, Learner
-from fitlib import distributed as fd
 from fitlib.callbacks import DistributedTrainer
 
 
@@ -18,7 +18,7 @@ def test_without_torchrun_it_does_nothing(monkeypatch, tmp_path):
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False,
                     path=tmp_path).to_distributed()  # fmt: skip
     learn.fit(1, lr=0.1)
-    assert not fd.active() and not learn.callbacks[-1].enabled
+    assert not ranks.active() and not learn.callbacks[-1].enabled
     assert learn.recorder.epochs == [0] and type(learn.model).__name__ == "Sequential"
 
 
@@ -26,7 +26,7 @@ def test_under_a_launcher_it_trains_and_gives_the_plain_model_back(one_process_g
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
     learn.to_distributed(backend="gloo")
     learn.fit(2, lr=0.1)
-    assert fd.active() and fd.world_size() == 1
+    assert ranks.active() and ranks.world_size() == 1
     assert learn.recorder.epochs == [0, 1] and learn.metrics  # validation ran
     assert learn.opt.param_groups[0]["params"][0] is next(learn.model.parameters())
 

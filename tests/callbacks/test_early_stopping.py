@@ -219,7 +219,7 @@ def test_a_new_fit_resets_the_state():
 # -- bad input -------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["patience", "start_from_epoch"])
 def test_a_negative_patience_or_start_from_epoch_raises(name):
-    with pytest.raises(ValueError, match=f"{name} must be >= 0 epochs; got -1"):
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 0; got -1"):
         EarlyStopping(**{name: -1})
     with pytest.raises(TypeError, match=f"{name} must be an int"):
         EarlyStopping(**{name: 1.5})

@@ -131,6 +131,42 @@ def test_bad_arguments_are_errors(kwargs, message):
         OneCycleScheduler(**kwargs)
 
 
+def test_the_schedules_are_built_at_train_begin_with_no_placeholder():
+    sched = OneCycleScheduler(slice(1e-3, 1e-2), moms=None)
+    assert sched.schedules == {} and sched.sets_hypers == ("lr",)
+    assert OneCycleScheduler(0.1).sets_hypers == ("lr", "mom")
+    opt = HPOptimizer(groups(2), torch.optim.SGD, lr=0.1)
+    call_hook(sched, "on_train_begin", opt=opt, n_steps=4, epoch=0)
+    assert list(sched.schedules) == ["lr"]
+    assert opt.lr == pytest.approx([1e-3 / 25, 1e-2 / 25])
+
+
+def test_max_lr_with_more_values_than_groups_is_refused_at_train_begin():
+    sched = OneCycleScheduler([0.01, 0.02, 0.03])  # the groups are unknown here
+    opt = HPOptimizer(groups(2), torch.optim.SGD, lr=0.1, mom=0.9)
+    with pytest.raises(
+        ValueError,
+        match=r"max_lr: got 3 values \[0\.01, 0\.02, 0\.03\] for 2 parameter "
+        r"groups\. Fix: pass one number, or exactly 2 values",
+    ):
+        call_hook(sched, "on_train_begin", opt=opt, n_steps=5, epoch=0)
+    assert opt.lr == 0.1  # nothing was set
+
+
+def test_lr_is_another_name_for_max_lr_and_one_of_them_is_needed():
+    opt = HPOptimizer(groups(2), torch.optim.SGD, lr=0.1, mom=0.9)
+    sched = OneCycleScheduler(lr=[0.01, 0.1])
+    assert sched.max_lr == [0.01, 0.1] and sched.lr_name == "lr"
+    call_hook(sched, "on_train_begin", opt=opt, n_steps=5, epoch=0)
+    assert opt.lr == pytest.approx([0.01 / 25, 0.1 / 25])
+    with pytest.raises(ValueError, match=r"lr must be > 0: .*got -1"):
+        OneCycleScheduler(lr=-1)
+    with pytest.raises(ValueError, match=r"got lr=0.1 and max_lr=0.1.*pass one"):
+        OneCycleScheduler(0.1, lr=0.1)
+    with pytest.raises(TypeError, match=r"neither lr nor max_lr"):
+        OneCycleScheduler()
+
+
 def test_learner_rejects_bad_max_lr_before_training(tmp_path):
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
     with pytest.raises(ValueError, match="max_lr must be > 0"):

@@ -190,7 +190,7 @@ def test_a_factor_outside_0_1_raises(factor):
 
 @pytest.mark.parametrize("name", ["patience", "cooldown"])
 def test_a_negative_or_non_int_patience_or_cooldown_raises(name):
-    with pytest.raises(ValueError, match=f"{name} must be >= 0 epochs; got -1"):
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 0; got -1"):
         ReduceLROnPlateau(**{name: -1})
     for bad in (1.5, True, "2"):
         with pytest.raises(TypeError, match=f"{name} must be an int"):

@@ -348,7 +348,7 @@ def test_the_sweep_bar_prints_nothing_without_a_terminal(capsys):
 
 @pytest.mark.parametrize("total", [0, 2.5, True, None])
 def test_the_sweep_bar_needs_a_positive_int_total(total):
-    with pytest.raises(ValueError, match="total must be a positive int"):
+    with pytest.raises(ValueError, match=r"SweepBar: total must be an int >= 1; got"):
         SweepBar(total)
     with pytest.raises(ValueError, match=r"SweepBar\(refresh=0.25\)"):
         SweepBar(10, refresh=-1)

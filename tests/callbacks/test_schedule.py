@@ -190,7 +190,9 @@ def test_bad_names_and_totals_are_errors():
         ParamScheduler({"momentum": constant(0.9)})
     with pytest.raises(TypeError, match="non-empty dict"):
         ParamScheduler({})
-    with pytest.raises(ValueError, match="total_steps must be a positive int"):
+    with pytest.raises(
+        ValueError, match="total_steps must be an int >= 1 or None; got 0"
+    ):
         ParamScheduler({"lr": constant(0.1)}, total_steps=0)
     with pytest.raises(ValueError, match="must be > 0"):
         exponential(0.0, 1.0)

@@ -362,7 +362,9 @@ def test_no_sync_per_batch_only_one_per_point(sync_counter, frozen_clock, tmp_pa
 # -- bad input -----------------------------------------------------------------
 @pytest.mark.parametrize("every", [0, -1, 2.5, True, "10"])
 def test_every_n_steps_must_be_a_positive_int(tmp_path, every):
-    with pytest.raises(ValueError, match=r"every_n_steps must be a positive int.*Fix"):
+    with pytest.raises(
+        ValueError, match=r"every_n_steps must be an int >= 1; got.*Fix"
+    ):
         TensorBoardLogger(tmp_path, every_n_steps=every)
 
 

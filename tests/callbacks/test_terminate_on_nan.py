@@ -243,19 +243,19 @@ def test_check_every_inf_checks_only_at_epoch_ends(clock, capsys):
 @pytest.fixture
 def two_ranks(monkeypatch):
     """This process as rank 1 of 2; rank 0's side of each check is scripted:
-    ranks["rank0"] is what rank 0 says (its first bad loss or None, its pace)."""
-    from fitlib import distributed as fd
+    script["rank0"] is what rank 0 says (its first bad loss or None, its pace)."""
+    import fitlib.distributed as ranks
 
-    ranks = {"rank0": (None, 3.0), "checks": []}
+    script = {"rank0": (None, 3.0), "checks": []}
 
     def gather(obj):
-        ranks["checks"].append(obj)
-        return [ranks["rank0"], obj]
+        script["checks"].append(obj)
+        return [script["rank0"], obj]
 
-    monkeypatch.setattr(fd, "world_size", lambda: 2)
-    monkeypatch.setattr(fd, "rank", lambda: 1)
-    monkeypatch.setattr(fd, "gather_to_all", gather)
-    return ranks
+    monkeypatch.setattr(ranks, "world_size", lambda: 2)
+    monkeypatch.setattr(ranks, "rank", lambda: 1)
+    monkeypatch.setattr(ranks, "gather_to_all", gather)
+    return script
 
 
 def test_ranks_check_at_the_iterations_rank_0_paces(clock, two_ranks):

@@ -1,0 +1,95 @@
+import math
+
+import numpy as np
+import pytest
+
+from fitlib.checks import check_int, check_number
+
+
+# -- check_int -------------------------------------------------------------------
+def test_check_int_returns_an_int_at_or_above_the_minimum():
+    assert check_int(3, "n", minimum=1) == 3
+    assert check_int(0, "n") == 0  # the default minimum is 0
+    assert check_int(np.int64(5), "n", minimum=1) == 5
+    assert type(check_int(np.int64(5), "n", minimum=1)) is int
+
+
+@pytest.mark.parametrize("bad", [True, False, 2.0, 1.5, "3", None, [2]])
+def test_check_int_refuses_what_is_no_int_with_a_type_error(bad):
+    with pytest.raises(TypeError, match=r"n_batches must be an int >= 1; got"):
+        check_int(bad, "n_batches", minimum=1)
+
+
+def test_a_wrong_type_is_also_a_value_error_as_these_checks_raised_before():
+    with pytest.raises(ValueError, match="must be an int"):
+        check_int(2.5, "every", minimum=1)
+
+
+@pytest.mark.parametrize(("value", "minimum"), [(0, 1), (-1, 0), (1, 2)])
+def test_check_int_refuses_an_int_below_the_minimum(value, minimum):
+    with pytest.raises(ValueError, match=rf"must be an int >= {minimum}; got {value}"):
+        check_int(value, "n", minimum=minimum)
+
+
+def test_check_int_takes_none_only_when_allowed():
+    assert check_int(None, "total_steps", minimum=1, allow_none=True) is None
+    with pytest.raises(ValueError, match=r"an int >= 1 or None; got 0"):
+        check_int(0, "total_steps", minimum=1, allow_none=True)
+    with pytest.raises(TypeError, match=r"an int >= 1; got None \(NoneType\)"):
+        check_int(None, "total_steps", minimum=1)
+
+
+def test_check_int_message_names_owner_argument_value_type_and_fix():
+    with pytest.raises(ValueError) as info:
+        check_int(1.5, "patience", owner="EarlyStopping", example=3)
+    assert str(info.value) == (
+        "EarlyStopping: patience must be an int >= 0; got 1.5 (float). "
+        "Fix: e.g. EarlyStopping(patience=3)."
+    )
+    with pytest.raises(ValueError) as info:
+        check_int(0, "every", minimum=1)
+    assert str(info.value) == (
+        "every must be an int >= 1; got 0 (int). Fix: e.g. every=1."
+    )
+
+
+# -- check_number ----------------------------------------------------------------
+def test_check_number_returns_a_float_inside_the_range():
+    assert check_number(1, "refresh", minimum=0, example=0.25) == 1.0
+    assert type(check_number(1, "refresh", minimum=0, example=0.25)) is float
+    assert check_number(0.5, "pct", above=0, below=1, example=0.3) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("value", "bounds", "words"),
+    [
+        (0, {"above": 0, "below": 1}, r"pct must be a number in \(0, 1\); got 0 "),
+        (1.0, {"above": 0, "below": 1}, r"in \(0, 1\); got 1\.0"),
+        (-0.1, {"minimum": 0}, r"pct must be a number >= 0; got -0\.1"),
+        (0.0, {"above": 0}, r"pct must be a number > 0; got 0\.0"),
+        (math.nan, {"minimum": 0}, r">= 0; got nan"),
+        (math.inf, {"above": 0, "below": math.inf}, r"a number > 0; got inf"),
+    ],
+)
+def test_check_number_refuses_values_outside_the_range(value, bounds, words):
+    with pytest.raises(ValueError, match=words):
+        check_number(value, "pct", example=0.3, **bounds)
+
+
+@pytest.mark.parametrize("bad", [True, "0.5", None])
+def test_check_number_refuses_what_is_no_number_with_a_type_error(bad):
+    with pytest.raises(TypeError, match=r"refresh must be a number of seconds >= 0"):
+        check_number(bad, "refresh", minimum=0, what="a number of seconds", example=1)
+
+
+def test_check_number_message_names_owner_argument_value_type_and_fix():
+    assert check_number(None, "beta", above=0, example=1.0, allow_none=True) is None
+    with pytest.raises(ValueError) as info:
+        check_number(
+            2.0, "pct_start", above=0, below=1, what="a fraction of training",
+            owner="OneCycleScheduler", example=0.3,
+        )  # fmt: skip
+    assert str(info.value) == (
+        "OneCycleScheduler: pct_start must be a fraction of training in (0, 1); "
+        "got 2.0 (float). Fix: e.g. OneCycleScheduler(pct_start=0.3)."
+    )
