@@ -28,8 +28,7 @@ def child() -> None:
     from torch.nn import functional as F  # noqa: N812
     from torch.utils.data import DataLoader, TensorDataset
 
-    import fitlib.distributed as ranks
-    from fitlib import DataBunch, Learner
+    from fitlib import DataBunch, Learner, ranks
     from fitlib.callbacks import DistributedTrainer
 
     torch.set_num_threads(1)

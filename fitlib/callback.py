@@ -135,7 +135,7 @@ from typing import Any
 
 import torch
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.dispatch import hook_caller, receives
 from fitlib.errors import add_note
 from fitlib.record import EpochTally, Record, batch_size, check_added, step_lr

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.errors import describe
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 

@@ -96,7 +96,7 @@ def test_no_training_batch_gives_no_train_loss():
 
 def test_under_several_processes_train_values_are_over_all_ranks(monkeypatch):
     """Every rank must reach the same decision: the values are global."""
-    import fitlib.distributed as ranks
+    from fitlib import ranks
 
     shards = {0: ([1.0, 3.0], [2, 2]), 1: ([5.0], [4])}  # losses, batch sizes
     monkeypatch.setattr(ranks, "world_size", lambda: 2)

@@ -4,7 +4,7 @@ import stat
 import pytest
 import torch
 
-from fitlib.callbacks.resume import remove_temporaries
+from fitlib.resume import remove_temporaries
 from fitlib.serialization import atomic_save, safe_load
 
 

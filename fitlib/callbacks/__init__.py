@@ -44,12 +44,11 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
 from fitlib.callbacks.csv_logger import CSVLogger
-from fitlib.callbacks.distributed import DistributedTrainer
+from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.early_stopping import EarlyStopping
 from fitlib.callbacks.filters import every, first, once
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
-from fitlib.callbacks.monitor import Monitor
 from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.progress import ProgressBar, SweepBar
@@ -75,7 +74,6 @@ __all__ = [
     "GradientClipping",
     "LRFinder",
     "MixedPrecision",
-    "Monitor",
     "OneCycleScheduler",
     "ParamScheduler",
     "ProgressBar",

@@ -87,10 +87,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.callback import Callback
-from fitlib.callbacks.monitor import Monitor
-from fitlib.callbacks.resume import (
+from fitlib.checks import check_int
+from fitlib.core import len_or_none
+from fitlib.monitor import Monitor
+from fitlib.resume import (
     DirLock,
     Position,
     Resumed,
@@ -104,8 +106,6 @@ from fitlib.callbacks.resume import (
     run_differences,
     run_signature,
 )
-from fitlib.checks import check_int
-from fitlib.core import len_or_none
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (
     atomic_save,

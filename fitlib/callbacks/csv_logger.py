@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from fitlib.callback import Callback
-from fitlib.callbacks.tracking import check_state_keys
 from fitlib.record import Record
 from fitlib.serialization import atomic_write
+from fitlib.tracking import check_state_keys
 
 _STATE_KEYS = ("first_row",)
 # What a CSVLogger saved before the epoch record kept the epoch's sums.

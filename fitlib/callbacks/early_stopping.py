@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.callbacks.monitor import Monitor
 from fitlib.checks import check_int
 from fitlib.errors import is_number
+from fitlib.monitor import Monitor
 from fitlib.serialization import host_copy
 from fitlib.sharding import load_model, model_state
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import to_floats

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from fitlib.callback import Callback
-from fitlib.callbacks.monitor import Monitor
 from fitlib.checks import check_int, check_number
 from fitlib.errors import is_number
+from fitlib.monitor import Monitor
 from fitlib.optim import HPOptimizer
 
 # As torch's eps: a smaller change is rounding noise (0.1**3 lands 2e-19 above a

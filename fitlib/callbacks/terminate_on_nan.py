@@ -20,7 +20,7 @@ import time
 
 import torch
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_number
 

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.callbacks.tracking import (
+from fitlib.record import Record, batch_size, to_floats
+from fitlib.tracking import (
     RunningLoss,
     TrainClock,
     check_every_n_steps,
     check_state_keys,
     step_lr,
 )
-from fitlib.record import Record, batch_size, to_floats
 
 _STATE_KEYS = ("line_step", "interval", "seconds")
 # What a TextLogger saved before the epoch record kept the epoch's sums.

@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.callback import Callback
-from fitlib.callbacks.tracking import (
+from fitlib.core import batch_size, to_floats
+from fitlib.metrics import accumulation_dtype
+from fitlib.sharding import is_sharded, local
+from fitlib.tracking import (
     TrainClock,
     check_every_n_steps,
     check_state_keys,
 )
-from fitlib.core import batch_size, to_floats
-from fitlib.metrics import accumulation_dtype
-from fitlib.sharding import is_sharded, local
 
 _STATE_KEYS = (
     "last_step",

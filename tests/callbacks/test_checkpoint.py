@@ -444,7 +444,7 @@ def test_a_second_run_in_the_same_process_is_refused_and_deletes_nothing(tmp_pat
 def test_without_fcntl_a_warning_says_the_directory_is_not_locked(
     tmp_path, monkeypatch
 ):
-    from fitlib.callbacks import resume
+    from fitlib import resume
 
     monkeypatch.setattr(resume, "fcntl", None)
     monkeypatch.setattr(resume, "_warned_unlocked", False)

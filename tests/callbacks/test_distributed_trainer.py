@@ -1,5 +1,6 @@
 """DistributedTrainer in this process: off without torchrun; bad input, in a
-one-process gloo group. tests/test_distributed.py launches real 2-process runs."""
+one-process gloo group. tests/callbacks/test_distributed_trainer_torchrun.py
+launches real 2-process runs."""
 
 import pytest
 import torch
@@ -7,8 +8,7 @@ from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, IterableDataset
 
-import fitlib.distributed as ranks
-from fitlib import DataBunch, Learner
+from fitlib import DataBunch, Learner, ranks
 from fitlib.callbacks import DistributedTrainer
 
 

@@ -244,7 +244,7 @@ def test_check_every_inf_checks_only_at_epoch_ends(clock, capsys):
 def two_ranks(monkeypatch):
     """This process as rank 1 of 2; rank 0's side of each check is scripted:
     script["rank0"] is what rank 0 says (its first bad loss or None, its pace)."""
-    import fitlib.distributed as ranks
+    from fitlib import ranks
 
     script = {"rank0": (None, 3.0), "checks": []}
 

@@ -14,8 +14,8 @@ from fitlib.callback import call_hook
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.text_logger import TextLogger
-from fitlib.callbacks.tracking import RunningLoss, TrainClock
 from fitlib.metrics import Metrics, accuracy
+from fitlib.tracking import RunningLoss, TrainClock
 
 
 class FakeOpt:

@@ -6,8 +6,8 @@ import torch
 from helpers import make_data, scripted_record
 
 from fitlib import DataBunch
-from fitlib.callbacks.monitor import Monitor, direction
 from fitlib.metrics import F1Score, FBeta, Metrics, R2Score, accuracy, error_rate
+from fitlib.monitor import Monitor, direction
 
 
 def started(monitor="valid_loss", metrics=(), data=None, **kwargs):

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-import fitlib.distributed as ranks
+from fitlib import ranks
 from fitlib.callback import Callback
 from fitlib.core import call_model
 from fitlib.sharding import is_sharded, shard_model

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def torchrun(mode, out, n=2):
-    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     child = str(HERE / "dist_child.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={n}", child, mode, str(out)]  # fmt: skip

@@ -1,4 +1,5 @@
-"""The script test_distributed.py launches with torchrun (2 CPU processes, gloo).
+"""The script test_distributed_trainer_torchrun.py launches with torchrun (2
+CPU processes, gloo).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node=2
 dist_child.py MODE OUT``: trains on the tiny data and writes each rank's final
@@ -16,8 +17,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
-import fitlib.distributed as ranks
-from fitlib import Callback, DataBunch, Learner
+from fitlib import Callback, DataBunch, Learner, ranks
 from fitlib.callbacks import (
     Checkpoint,
     CSVLogger,
@@ -27,7 +27,7 @@ from fitlib.callbacks import (
     TerminateOnNaN,
     TrainStats,
 )
-from fitlib.callbacks.distributed import DistributedTrainer
+from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.metrics import F1Score, accuracy
 from fitlib.serialization import atomic_save
 from fitlib.sharding import model_state
