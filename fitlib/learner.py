@@ -52,7 +52,6 @@ from fitlib.core import (
     validate,
 )
 from fitlib.errors import name_of
-from fitlib.metrics import Metrics
 from fitlib.optim import (
     LR,
     HPOptimizer,
@@ -92,9 +91,11 @@ _said: set[str] = set()
 class Snapshot:
     """Where training stands, as ``Learner.fit_snapshots`` yields it.
 
-    ``loss`` is the training loss of the latest batch; ``metrics`` maps
-    ``valid_loss`` and each metric to its value after the latest epoch (empty
-    before the first); ``elapsed`` counts seconds since training began.
+    ``loss`` is the training loss of the latest batch; ``metrics`` holds the
+    values of the last finished epoch's record but its epoch, train loss, lr
+    and time (``valid_loss``, each metric, training metrics, loss parts,
+    values callbacks added; empty before the first epoch ends); ``elapsed``
+    counts seconds since training began.
     """
 
     step: int
@@ -601,17 +602,18 @@ class Learner:
         """
         check_int(every, "every", minimum=1, owner="Learner.fit_snapshots", example=25)
         steps = self._fit_states(None, lr, wd, callbacks, n_steps)
-        t0, names = time.perf_counter(), ["valid_loss", *Metrics(self.metrics).names]
+        t0, loop_values = time.perf_counter(), ("epoch", "train_loss", "lr", "time")
         with closing(steps):
             for state in steps:
                 step = state["step"]
                 due = step % every == 0 or step >= n_steps
                 if state["skip_step"] or not due:  # no step this batch, or not due
                     continue
-                values = to_floats([state["last_loss"], *(state["last_metrics"] or [])])
-                metrics = dict(zip(names, values[1:], strict=False))
+                record = state["record"] or {}  # read already: no transfer
+                metrics = {k: v for k, v in record.items() if k not in loop_values}
+                (loss,) = to_floats([state["last_loss"]])
                 yield Snapshot(
-                    step, state["epoch"], values[0], metrics, time.perf_counter() - t0
+                    step, state["epoch"], loss, metrics, time.perf_counter() - t0
                 )
 
     def fit_iter(self, *args: Any, **kwargs: Any) -> Iterator[Snapshot]:

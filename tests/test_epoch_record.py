@@ -427,3 +427,17 @@ def test_skipped_validation_leaves_valid_values_none():
     assert record["valid_loss"] is None and record["accuracy"] is None
     assert record["valid_ce"] is None and record["train_ce"] is not None
     assert not math.isnan(record["train_loss"])
+
+
+def test_snapshots_carry_the_last_finished_epochs_record_values():
+    learn = Learner(make_data(), make_model(), F.cross_entropy, torch.optim.SGD,
+                    metrics=[accuracy], train_metrics=[accuracy],
+                    progress=False)  # fmt: skip
+    snaps = list(learn.fit_snapshots(n_steps=14, every=7, lr=0.1))
+    last = learn.recorder.epoch_table()[0]
+    assert snaps[0].metrics == {}  # step 7 is the first epoch's last batch
+    assert snaps[1].metrics == {
+        "valid_loss": last["valid_loss"],
+        "accuracy": last["accuracy"],
+        "train_accuracy": last["train_accuracy"],
+    }
