@@ -165,18 +165,21 @@ class AvgMetric(Metric):
         self.sizes.append(n)
 
     def compute(self) -> Tensor:
-        if self.total is not None:
-            return self.total[0] / self.total[1]
+        if self.total is not None:  # loaded sums, and batches added since
+            total, count = self.sums()[0].unbind()
+            return total / count
         if not self.values:
             raise self._no_data()
         return weighted_sum(self.values, self.sizes) / sum(self.sizes)
 
     def sums(self) -> list[Tensor]:
+        loaded = None if self.total is None else torch.stack(self.total)
         if not self.values:  # the shape is known: take part with zeros
-            return [torch.zeros(2, dtype=torch.float64)]
+            return [torch.zeros(2, dtype=torch.float64) if loaded is None else loaded]
         total = weighted_sum(self.values, self.sizes)
         # A fill, not a host-to-device copy of the count (which would wait).
-        return [torch.stack([total, total.new_full((), sum(self.sizes))])]
+        pair = torch.stack([total, total.new_full((), sum(self.sizes))])
+        return [pair if loaded is None else pair + loaded.to(pair)]
 
     def load_sums(self, sums: list[Tensor]) -> None:
         self.reset()

@@ -154,3 +154,14 @@ def test_duplicate_names_get_suffixes():
 def test_empty_metrics_is_falsy():
     assert not Metrics(None) and len(Metrics([])) == 0
     assert len(Metrics([accuracy, mse])) == 2
+
+
+def test_batches_added_after_load_sums_count_with_the_loaded_sums():
+    from fitlib.metrics import accuracy
+    from fitlib.metrics.accumulate import AvgMetric
+
+    m = AvgMetric(accuracy)
+    m.load_sums([torch.tensor([3.0, 4.0], dtype=torch.float64)])  # 3 of 4 right
+    m.update(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([1, 1]))  # 1 of 2
+    assert m.compute().item() == 4 / 6
+    assert m.sums()[0].tolist() == [4.0, 6.0]
