@@ -169,6 +169,14 @@ def check_model(model: Any, loss_func: Any) -> None:
             f"loss_func must be callable as loss_func(output, *targets); got "
             f"{loss_func!r}. Fix: pass e.g. torch.nn.functional.cross_entropy."
         )
+    if isinstance(loss_func, type) and issubclass(loss_func, nn.Module):
+        # Calling the class would build a module from (output, targets).
+        name = loss_func.__name__
+        raise TypeError(
+            f"loss_func is the class {name}, not a loss: fitlib would call "
+            f"{name}(output, targets), which makes a new module instead of a "
+            f"loss. Fix: pass an instance, loss_func={name}()."
+        )
 
 
 def check_trainable(model: nn.Module, opt: Any) -> None:

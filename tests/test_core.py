@@ -279,6 +279,14 @@ def test_an_input_of_another_dtype_than_the_layer_is_a_type_error():
         _fit(data=DataBunch(ints))
 
 
+def test_a_loss_class_instead_of_an_instance_says_to_instantiate_it():
+    with pytest.raises(
+        TypeError, match=r"class CrossEntropyLoss.*CrossEntropyLoss\(\)"
+    ):
+        _fit(loss_func=torch.nn.CrossEntropyLoss)
+    _fit(loss_func=torch.nn.CrossEntropyLoss())  # an instance is a loss
+
+
 def test_non_callable_loss_and_non_module_model_and_bad_opt():
     with pytest.raises(TypeError, match="loss_func must be callable"):
         _fit(loss_func="cross_entropy")
