@@ -174,6 +174,12 @@ class Learner:
         self.wd = _default("wd", 1e-2) if wd is None else wd
         check_hyper("wd", [self.wd], wd, fix="Learner(..., wd=1e-2)")
         self.true_wd = true_wd
+        for name, flag in (("train_bn", train_bn), ("progress", progress)):
+            if not isinstance(flag, bool):  # 'no' would be truthy: bars anyway
+                raise TypeError(
+                    f"Learner: {name} must be True or False; got {flag!r} "
+                    f"({type(flag).__name__}). Fix: e.g. Learner(..., {name}=False)."
+                )
         self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
         self.layer_groups = _split_groups(model, layer_groups)
         self.callbacks = callback_list(callbacks)

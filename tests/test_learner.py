@@ -393,3 +393,9 @@ def test_evaluating_inside_fit_snapshots_leaves_the_model_training(tmp_path):
     learn.model.eval()
     learn.validate(), learn.predict(item)
     assert not any(m.training for m in learn.model.modules())
+
+
+@pytest.mark.parametrize("name", ["progress", "train_bn"])
+def test_a_flag_that_is_not_a_bool_is_refused(name):
+    with pytest.raises(TypeError, match=rf"{name} must be True or False; got 'no'"):
+        Learner(make_data(), make_model(), F.cross_entropy, **{name: "no"})
