@@ -138,7 +138,14 @@ import torch
 from fitlib import ranks
 from fitlib.dispatch import hook_caller, receives
 from fitlib.errors import add_note
-from fitlib.record import EpochTally, Record, batch_size, check_added, step_lr
+from fitlib.record import (
+    EpochTally,
+    Record,
+    batch_size,
+    check_added,
+    check_record_names,
+    step_lr,
+)
 
 EVENTS = (
     "on_train_begin",
@@ -491,6 +498,7 @@ class CallbackHandler:
             cbs = [cb for cb in cbs if not cb.main_only]
         self.callbacks = sorted(cbs, key=lambda cb: cb.order)
         _check_hyper_owners(self.callbacks)
+        check_record_names(self.callbacks)
         self._hooks = {
             ev: [(cb, _caller(cb, ev)) for cb in self.callbacks if _overrides(cb, ev)]
             for ev in EVENTS
@@ -686,6 +694,9 @@ class CallbackHandler:
         lr = step_lr(state["opt"])
         record = self.tally.record(state["epoch"], val_metrics, names, lr)
         state["record"] = record
+        for cb in self.callbacks:  # declared, and no hook that could add them
+            if cb.record_names and not _overrides(cb, "on_epoch_end"):
+                self._add_to_record(cb, dict.fromkeys(cb.record_names))
         for cb, hook in self._hooks["on_epoch_end"]:
             self._call(cb, "on_epoch_end", hook, state)
             # A declared value not added this epoch is None (not computed):

@@ -482,8 +482,9 @@ def _loss_parts(loss_func: LossFunc, out: dict) -> tuple[Any, dict]:
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise ValueError(
                 f"loss_func {name_of(loss_func)} returned the part {name!r} = "
-                f"{describe(value)}; each part is one number (a scalar tensor), "
-                "averaged over the epoch. Fix: reduce it, e.g. part.mean()."
+                f"{describe(value)}; each part must be a tensor of one value "
+                "(averaged over the epoch on the device). Fix: return the "
+                "tensor, reduced, e.g. part.mean()."
             )
         parts[str(name)] = value.detach().reshape(())
     return out["loss"], parts

@@ -119,8 +119,16 @@ class Monitor:
         declared = [n for cb in callbacks or () for n in cb.record_names]
         names = [*LOSSES, *metric_names, *(f"train_{n}" for n in train_names)]
         self._known = [*names, *declared]
+        known = [*self._known, "lr", "time"]  # in the record too, rarely watched
+        bare = self.name.removeprefix("train_")
+        if bare != self.name and bare in metric_names and bare not in train_names:
+            raise ValueError(
+                f"{self.owner}: monitor={self.name!r} is a training metric, but "
+                f"{bare!r} is computed on the validation set only. Fix: add it "
+                f"to train_metrics=[...] (Learner or fit), or monitor={bare!r}."
+            )
         part = self.name.startswith(("train_", "valid_"))
-        if self.name not in self._known and not part:
+        if self.name not in known and not part:
             raise ValueError(
                 f"{self.owner}: monitor={self.name!r} is not computed in this "
                 f"fit; the names that exist are {self._known}. Fix: pass one of "

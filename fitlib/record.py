@@ -33,6 +33,9 @@ from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 Record = dict[str, Any]
 # Values the loop owns: a callback may not add a value of these names.
 LOOP_KEYS = ("epoch", "train_loss", "valid_loss", "lr", "time")
+# The order of the first callback that reads the record (ReduceLROnPlateau):
+# a callback adds values before it.
+ADD_BEFORE = 40
 # Batches whose losses wait as separate tensors: then they are summed into
 # one on the device (no sync), so an epoch of any length keeps little.
 FOLD = 1024
@@ -200,8 +203,19 @@ class EpochTally:
                 if key not in self.parts:
                     self.parts[key] = RunningLoss()
                     if name not in self.part_names:
+                        self._check_part(name)
                         self.part_names.append(name)
                 self.parts[key].add(value, size)
+
+    def _check_part(self, name: str) -> None:
+        """Refuses a loss part whose record names another value has."""
+        if name in self.train_metrics.names or name == "loss":
+            raise ValueError(
+                f"the loss part {name!r} would be reported as train_{name} and "
+                f"valid_{name}, which the training metric {name!r} (train_{name}) "
+                "or the loop's losses already are: one would overwrite the "
+                f"other. Fix: rename the part, e.g. {{'{name}_part': ...}}."
+            )
 
     def _update_metrics(self, output: Any, targets: Any) -> None:
         targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
@@ -237,17 +251,19 @@ class EpochTally:
             metrics = self._train_metrics()
         values = iter(to_floats(device, [*metrics, *(valid or [])]))
         means = finish(values)
-        record: Record = {"epoch": epoch, "train_loss": means[0]}
+        items = [("epoch", epoch), ("train_loss", means[0])]
         trained = [next(values) for _ in metrics] or [None] * len(train_names)
         read_valid = [next(values) for _ in valid or []]
         names = ["valid_loss", *metric_names]
-        record |= dict(zip(names, read_valid or [None] * len(names), strict=True))
-        record |= dict(zip(train_names, trained, strict=True))
+        items += zip(names, read_valid or [None] * len(names), strict=True)
+        items += zip(train_names, trained, strict=True)
         means = dict(zip(self.parts, means[1:], strict=True))
         for prefix in ("train_", "valid_"):
-            record |= {prefix + n: means.get(prefix + n) for n in self.part_names}
+            items += [(prefix + n, means.get(prefix + n)) for n in self.part_names]
         # After the transfer, which waited for the device: the epoch's real time.
-        return record | {"lr": lr, "time": self.seconds()}
+        items += [("lr", lr), ("time", self.seconds())]
+        _check_unique([name for name, _ in items])
+        return dict(items)
 
     def seconds(self) -> float:
         """Wall-clock seconds of the epoch so far (before a resume included)."""
@@ -337,6 +353,50 @@ class EpochTally:
         return sums
 
 
+def _check_unique(names: list[str]) -> None:
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"the epoch record would hold {twice} twice (its names: {names}): "
+            "one value would overwrite the other. Fix: rename the metric (e.g. "
+            "functools.partial with another __name__, or a Metric's name)."
+        )
+
+
+def check_record_names(callbacks: list) -> None:
+    """Refuses, before training, ``record_names`` that are not a tuple of
+    names, that a callback ordered after the record's readers declares, or
+    that the loop or another callback already has."""
+    seen: dict[str, str] = {}
+    for cb in callbacks:
+        names = getattr(cb, "record_names", ())
+        ok = isinstance(names, (tuple, list)) and all(
+            isinstance(n, str) and n for n in names)  # fmt: skip
+        if not ok:
+            raise TypeError(
+                f"{cb.name}.record_names must be a tuple of names; got "
+                f"{names!r}. Fix: e.g. record_names = ('grad_norm',) (a tuple "
+                "of one name needs its comma)."
+            )
+        if names and cb.order >= ADD_BEFORE:
+            raise ValueError(
+                f"{cb.name} adds {list(names)} to the epoch record at order "
+                f"{cb.order}, after the monitors (40, 45), the Recorder (50), "
+                "the loggers (55) and the bar (60) have read it: they would "
+                f"miss them. Fix: give it an order below {ADD_BEFORE} (the "
+                "default is 0)."
+            )
+        for name in names:
+            if name in LOOP_KEYS or name in seen:
+                whose = "the loop" if name in LOOP_KEYS else seen[name]
+                raise ValueError(
+                    f"{cb.name} declares {name!r} in record_names, which "
+                    f"{whose} already adds to the epoch record. Fix: give the "
+                    "value another name."
+                )
+            seen[name] = cb.name
+
+
 def step_lr(opt: Any) -> float:
     """The lr of the last parameter group, as the latest ``opt.step()`` used it.
 
@@ -398,7 +458,8 @@ def check_added(owner: str, record: Record, values: Any, declared: tuple) -> Rec
         _check_scalar(owner, name, value)
     tensors = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
     read = to_floats([], [values[k].detach().reshape(()) for k in tensors])
-    numbers = {k: v if v is None else float(v) for k, v in values.items()}
+    numbers = {k: v if v is None or k in tensors else float(v)
+               for k, v in values.items()}  # fmt: skip
     return numbers | dict(zip(tensors, read, strict=True))
 
 

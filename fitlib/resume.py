@@ -322,16 +322,19 @@ def final_position(state: dict) -> Position | None:
 class StateWatch:
     """Notices callbacks that keep state without saving it.
 
-    A callback without ``state_dict`` whose attributes (those it has when
-    training begins) change during training keeps state that a checkpoint
-    does not save: after a resume it starts
-    over, silently (a history it appends to loses the epochs before the
-    crash). ``StateWatch`` notes those callbacks' attributes as training
-    begins; at the first checkpoint it warns about each one that changed.
+    A callback of yours without ``state_dict`` whose attributes change during
+    training keeps state that a checkpoint does not save: after a resume it
+    starts over, silently (a history it appends to loses the epochs before
+    the crash; an epoch's sums lose the batches before it). ``StateWatch``
+    notes those callbacks' attributes as training begins. A checkpoint at an
+    epoch boundary warns about attributes the callback had then and that
+    changed; one inside an epoch also about attributes its hooks created (an
+    epoch's sums, set up in ``on_epoch_begin``), which that resume loses.
+    Each callback is warned about once.
 
     Example:
-        >>> watch = StateWatch(callbacks)   # as the fit begins
-        >>> watch.warn_changed()            # at the first checkpoint
+        >>> watch = StateWatch(callbacks)       # as the fit begins
+        >>> watch.warn_changed(inside_epoch)    # at each checkpoint
     """
 
     def __init__(self, callbacks: list[Callback]) -> None:
@@ -344,26 +347,24 @@ class StateWatch:
             and not type(cb).__module__.startswith("fitlib.")
         }
 
-    def warn_changed(self) -> None:
-        """Warns once about each callback whose attributes changed since."""
-        seen, self._seen = self._seen, {}
-        for cb, before in seen.values():
-            # Attributes a hook creates (an epoch's sums, set up again in
-            # each on_epoch_begin) are left out: those it had when training
-            # began and that changed are its state.
+    def warn_changed(self, inside_epoch: bool = False) -> None:
+        """Warns about each watched callback whose attributes changed."""
+        for key, (cb, before) in list(self._seen.items()):
             now = _fingerprints(cb)
-            changed = sorted(k for k in before if now.get(k) != before[k])
-            if changed:
-                warnings.warn(
-                    f"Checkpoint: callback {cb.name} changed its attributes "
-                    f"{changed} during training but has no state_dict(), so the "
-                    "checkpoint does not save them: a resumed run starts them "
-                    "over. Fix: give it state_dict() and load_state_dict() (or, "
-                    "for a value per epoch, add it to the epoch record: return "
-                    "{'record': {...}} from on_epoch_end, and the Recorder keeps "
-                    "it).",
-                    stacklevel=2,
-                )
+            names = now.keys() | before.keys() if inside_epoch else before.keys()
+            changed = sorted(k for k in names if now.get(k) != before.get(k))
+            if not changed:
+                continue
+            del self._seen[key]
+            where = "inside an epoch" if inside_epoch else "at an epoch's end"
+            warnings.warn(
+                f"Checkpoint: callback {cb.name} changed its attributes "
+                f"{changed} during training but has no state_dict(), so a "
+                f"checkpoint {where} does not save them: a run resumed from it "
+                "starts them over. Fix: give the callback state_dict() and "
+                "load_state_dict() that save and restore them.",
+                stacklevel=3,
+            )
 
 
 def _fingerprints(cb: Callback) -> dict[str, bytes | None]:

@@ -209,7 +209,7 @@ def test_loss_parts_are_averaged_per_sample_for_training_and_validation():
         (lambda o, y: {"ce": F.cross_entropy(o, y)}, r"no 'loss'.*\{\"loss\": total"),
         (
             lambda o, y: {"loss": F.cross_entropy(o, y), "per": o.mean(1)},
-            r"part 'per'.*one number",
+            r"part 'per'.*tensor of one value",
         ),
     ],
 )
@@ -286,7 +286,7 @@ class Adds(Callback):
 
 
 class AddsAtEpochEnd(Callback):
-    record_names = ("x", "valid_loss")
+    record_names = ("x",)
 
     def __init__(self, values):
         self.values = values
@@ -312,6 +312,64 @@ def test_a_bad_added_value_is_refused_naming_the_callback_and_the_name(
     with pytest.raises(error, match=match):
         fit(1, model, F.cross_entropy, sgd(model), make_data(),
             [AddsAtEpochEnd(values)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("names", "order", "error", "match"),
+    [
+        ("grad_norm", 0, TypeError, r"Late.record_names must be a tuple.*comma"),
+        (("valid_loss",), 0, ValueError, r"'valid_loss'.*the loop already adds"),
+        (("x",), 70, ValueError, r"Late adds \['x'\].*order 70.*below 40"),
+    ],
+)
+def test_record_names_are_checked_before_training(names, order, error, match):
+    class Late(Callback):
+        record_names = names
+
+    Late.order = order
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        fit(1, model, F.cross_entropy, sgd(model), make_data(), [Late()])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_two_callbacks_declaring_one_name_are_refused():
+    class A(Callback):
+        record_names = ("x",)
+
+    class B(Callback):
+        record_names = ("x",)
+
+    model = make_model()
+    with pytest.raises(ValueError, match=r"B declares 'x'.*which A already adds"):
+        fit(1, model, F.cross_entropy, sgd(model), make_data(), [A(), B()])
+
+
+def test_a_loss_part_named_like_a_training_metric_is_refused():
+    def loss(out, y):
+        ce = F.cross_entropy(out, y)
+        return {"loss": ce, "accuracy": ce}
+
+    model = make_model()
+    with pytest.raises(ValueError, match=r"loss part 'accuracy'.*train_accuracy"):
+        fit(1, model, loss, sgd(model), make_data(), train_metrics=[accuracy])
+
+
+def test_a_declared_value_of_a_callback_without_on_epoch_end_is_none():
+    class Declares(Callback):
+        record_names = ("never",)
+
+    model = make_model()
+    (record,) = fit(1, model, F.cross_entropy, sgd(model), make_data(), [Declares()])
+    assert record["never"] is None and list(record)[-3:] == ["never", "lr", "time"]
+
+
+def test_a_training_metric_that_is_not_computed_is_refused_before_training():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"train_accuracy.*train_metrics=\[\.\.\.\]"):
+        fit(1, model, F.cross_entropy, sgd(model), make_data(),
+            [EarlyStopping("train_accuracy")], [accuracy])  # fmt: skip
 
 
 def test_values_are_added_only_at_the_epochs_end():
@@ -441,3 +499,12 @@ def test_snapshots_carry_the_last_finished_epochs_record_values():
         "accuracy": last["accuracy"],
         "train_accuracy": last["train_accuracy"],
     }
+
+
+def test_epoch_sums_without_state_dict_are_warned_about_at_a_mid_epoch_checkpoint(
+    tmp_path,
+):
+    model = make_model()
+    with pytest.warns(UserWarning, match=r"GradNorm changed its attributes.*inside"):
+        fit(1, model, F.cross_entropy, sgd(model), make_data(),
+            [Checkpoint(tmp_path, every_n_steps=3), GradNorm()])  # fmt: skip

@@ -345,7 +345,7 @@ class Checkpoint(Callback):
         number = int(_NAME.fullmatch(newest[0].name)[1]) + 1 if newest else 0
         path = self.dirpath / f"checkpoint-{number:06d}.pth"
         if ranks.is_main():
-            self._watch.warn_changed()
+            self._watch.warn_changed(inside_epoch=where.num_batch > 0)
         self._write(path, where)
         self._due = False
         if ranks.is_main():
