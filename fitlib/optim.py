@@ -332,14 +332,19 @@ class HPOptimizer:
             raise ValueError(count_mismatch(name, values, n))
         return [float(v) for v in values]
 
-    @torch.no_grad()
     def _decay(self, keep: Any = 1) -> None:
         """``p *= 1 - lr * wd``; ``keep`` (a 0/1 device tensor) may cancel it."""
+        decays = []
         for group in self.param_groups:
             decay = group["lr"] * group.get(_TRUE_WD_KEY, 0.0)
             if decay:
+                decays.append((decay, group["params"]))
+        if not decays:  # wd=0: no grad-mode switch at every step
+            return
+        with torch.no_grad():
+            for decay, params in decays:
                 factor = 1.0 - decay * keep
-                for p in group["params"]:
+                for p in params:
                     if p.grad is not None:
                         p.mul_(factor)
 
