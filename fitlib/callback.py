@@ -654,12 +654,17 @@ class CallbackHandler:
                 n = state["iteration"] + 1  # smoothed losses: also after a resume
                 state["smooth_loss"] = self._smooth(state["smooth_loss"], loss, n)
             # The output's graph would live until the next forward otherwise.
-            state["last_output"] = _detached(state["last_output"])
+            out = state["last_output"]
+            out = out.detach() if type(out) is torch.Tensor else _detached(out)
+            state["last_output"] = out
         if train or parts:
-            yb, xb = state["last_target"], state["last_input"]
-            self.tally.add_batch(
-                loss, batch_size(yb, xb), train, parts, state["last_output"], yb
-            )
+            yb = state["last_target"]
+            # The common case inline: one batch of targets (this runs per step).
+            if type(yb) is torch.Tensor and yb.ndim:
+                size = yb.shape[0]
+            else:
+                size = batch_size(yb, state["last_input"])
+            self.tally.add_batch(loss, size, train, parts, state["last_output"], yb)
         if self._hooks["on_batch_end"]:
             self("on_batch_end")
         if train:

@@ -36,6 +36,8 @@ from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size, first_tensor, to_floats  # noqa: F401 (here before)
 
 LossFunc = Callable[..., torch.Tensor]
+# The first-batch checks of the loss, in training and in validation.
+_LOSS_CHECKS = {False: ("loss", True), True: ("loss", False)}
 
 
 def fit(
@@ -227,7 +229,7 @@ def loss_batch(
     """
     # fit and validate check the first batch's loss inputs (known only now); a
     # loop of the user's passes no handler, which could tell the first batch.
-    first = cb_handler is not None and cb_handler.first_batch(("loss", opt is not None))
+    first = cb_handler is not None and cb_handler.first_batch(_LOSS_CHECKS[opt is None])
     cb_handler = cb_handler or CallbackHandler()
     out = cb_handler.on_loss_begin(call_model(model, xb))
     if first:
