@@ -186,6 +186,33 @@ def step_hand_written(epochs: int, train: DataLoader, valid: DataLoader) -> None
         torch.stack([valid_loss / n, correct / n]).tolist()
 
 
+def step_hand_written_loss(epochs: int, train: DataLoader, valid: DataLoader) -> None:
+    """The plain loop, plus the one number per epoch that ``fit`` reports and
+    it does not: the epoch's training loss (each step's loss detached and
+    kept, weighted by its batch size, summed once with the validation)."""
+    model = step_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(epochs):
+        model.train()
+        losses, sizes = [], []
+        for x, y in train:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            sizes.append(len(y))
+        model.eval()
+        valid_loss, correct, n = 0.0, 0, 0
+        with torch.no_grad():
+            for x, y in valid:
+                out = model(x)
+                valid_loss = valid_loss + F.cross_entropy(out, y) * len(y)
+                correct, n = correct + (out.argmax(1) == y).sum(), n + len(y)
+        train_loss = torch.stack(losses) @ torch.tensor(sizes, dtype=torch.float32)
+        torch.stack([train_loss / sum(sizes), valid_loss / n, correct / n]).tolist()
+
+
 def step_fit(epochs: int, train: DataLoader, valid: DataLoader) -> None:
     model = step_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -209,6 +236,7 @@ def step_learner(epochs: int, train: DataLoader, valid: DataLoader) -> None:
 
 STEP_VARIANTS = {
     "hand-written": step_hand_written,
+    "+ train loss": step_hand_written_loss,
     "fit + accuracy": step_fit,
     "Learner (no bar)": step_learner,
 }

@@ -510,6 +510,9 @@ class CallbackHandler:
         # The records of the epochs ended so far (``fit`` returns them).
         self.history: list[Record] = []
         self.interrupted = False
+        # The last training step's graph, kept until the next step's forward
+        # (see on_batch_end).
+        self._graph: torch.Tensor | None = None
         self._checked: set = set()  # the checks done (at a first batch)
         self._smooth_read = any(
             receives(getattr(cb, ev), "smooth_loss")
@@ -646,8 +649,16 @@ class CallbackHandler:
     def on_batch_end(self, loss: torch.Tensor) -> bool:
         """Returns True when the epoch must end after this batch."""
         state = self.state
-        state["last_loss"] = loss
         train = state["train"]
+        if train:
+            # backward() freed the graph's saved tensors; keeping its nodes
+            # until the next forward (as a hand-written loop's ``loss``
+            # variable does) lets torch reuse the parameters' gradient
+            # accumulators instead of building them again at every step. A
+            # graph that backward() skipped still holds its activations: not
+            # kept.
+            self._graph = None if state["skip_bwd"] else state["last_loss"]
+        state["last_loss"] = loss
         parts = state["last_loss_parts"]
         if train:
             if self._smooth_read:
@@ -719,6 +730,7 @@ class CallbackHandler:
         A failure is raised after the others ran, unless training already
         failed: then it becomes a note on that exception, which propagates.
         """
+        self._graph = None  # the last step's (see on_batch_end)
         failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:

@@ -408,7 +408,13 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
                 "batch to be an (x, y) pair (x: inputs, y: targets; either may be "
                 f"a tuple of tensors). Fix: {regroup_fix(batch)}"
             )
-        yield to_device(batch[0], device), to_device(batch[1], device)
+        x, y = batch
+        # to_device's common case inline (this runs per step): tensors there.
+        if type(x) is not torch.Tensor or x.device != device:
+            x = to_device(x, device)
+        if type(y) is not torch.Tensor or y.device != device:
+            y = to_device(y, device)
+        yield x, y
         n += 1
     # An empty sized loader was refused before training; one that says it has
     # batches and yields none is spent (a one-shot iterator). Length 0 is the
@@ -448,7 +454,12 @@ def _compute_loss(
     loss_func: LossFunc, out: Any, yb: Any, cb_handler: CallbackHandler
 ) -> torch.Tensor:
     try:
-        loss = loss_func(out, *as_tuple(yb))
+        # as_tuple, inline for the common case (this runs per step)
+        loss = (
+            loss_func(out, yb)
+            if type(yb) is torch.Tensor
+            else loss_func(out, *as_tuple(yb))
+        )
     except Exception as e:
         reraise(e, _loss_mismatch(loss_func, out, yb), as_type=ValueError)
     if isinstance(loss, dict):  # the total and its named parts

@@ -117,6 +117,12 @@ class HPOptimizer:
         self.grad_scaler: torch.amp.GradScaler | None = None
         # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
         self._native_wd = "decoupled_weight_decay" in opt.param_groups[0]
+        # An int lr or momentum (SGD's default momentum=0) becomes the same
+        # float, so the (lr, mom) that each step notes are floats as they are.
+        for group in opt.param_groups:
+            for key in ("lr", "momentum"):
+                if type(group.get(key)) is int:
+                    group[key] = float(group[key])
 
     # -- the wrapped optimizer -------------------------------------------------
     @property
@@ -138,7 +144,9 @@ class HPOptimizer:
         step goes through ``grad_scaler.step``, which skips it when the
         gradients are not finite.
         """
-        self.stepped = lr_and_momentum(self.opt.param_groups[-1])
+        group = self.opt.param_groups[-1]  # lr_and_momentum, inline (per step)
+        betas = group.get("betas")
+        self.stepped = group["lr"], group.get("momentum") if betas is None else betas[0]
         if self.grad_scaler is not None:
             return self._scaled_step(closure)
         if self.true_wd and not self._native_wd:

@@ -475,6 +475,44 @@ def test_stored_output_carries_no_graph_after_the_batch():
     assert graphs == [True, False]
 
 
+def _accumulator(param):
+    """The parameter's gradient accumulator (the node backward() adds into)."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def _accumulators_reused(skip_bwd_at=None):
+    """Whether, at each training step after the first, the parameters' gradient
+    accumulators are the previous step's (a mark left on them survives)."""
+    seen = []
+
+    class Mark(Callback):
+        def on_loss_begin(self, model, iteration, train, **kwargs):
+            if train and iteration > 0:  # after this step's forward
+                seen.append(_accumulator(next(model.parameters())).metadata.get("mark"))
+
+        def on_backward_begin(self, iteration, **kwargs):
+            if iteration == skip_bwd_at:
+                return {"skip_bwd": True}
+
+        def on_batch_end(self, model, train, iteration, **kwargs):
+            if train:
+                _accumulator(next(model.parameters())).metadata["mark"] = iteration
+
+    run([Mark()], data=make_data(n_train=64, n_valid=16, bs=16))
+    return seen
+
+
+def test_the_last_steps_graph_is_kept_so_gradient_accumulators_are_reused():
+    # A hand-written loop keeps them alive through its ``loss`` variable;
+    # building them again at every step costs about 14k instructions.
+    assert _accumulators_reused() == [0, 1, 2]
+
+
+def test_a_graph_whose_backward_was_skipped_is_not_kept():
+    # It still holds its activations: keeping it would double their memory.
+    assert _accumulators_reused(skip_bwd_at=1) == [0, None, 2]
+
+
 def test_every_on_train_end_runs_even_when_one_fails():
     ran = []
 

@@ -322,3 +322,15 @@ def test_an_optimizer_instance_for_opt_func_says_to_pass_the_class():
     opt = torch.optim.AdamW(params().parameters())
     with pytest.raises(TypeError, match=r"got an instance of AdamW.*optim\.AdamW \("):
         HPOptimizer(params().parameters(), opt, lr=0.1)
+
+
+def test_an_int_lr_or_momentum_becomes_the_same_float():
+    # So each step notes floats, which the Recorder keeps without converting.
+    params = [torch.nn.Parameter(torch.ones(2))]
+    opt = HPOptimizer.wrap(torch.optim.SGD(params, lr=1))  # momentum=0: an int
+    group = opt.param_groups[0]
+    assert (group["lr"], group["momentum"]) == (1.0, 0.0)
+    assert type(group["lr"]) is float and type(group["momentum"]) is float
+    params[0].grad = torch.ones(2)
+    opt.step()
+    assert opt.stepped == (1.0, 0.0) and all(type(v) is float for v in opt.stepped)

@@ -280,8 +280,22 @@ class Recorder(Callback):
     ) -> None:
         """Runs after each batch: records a training step (no sync)."""
         if train:  # one append: this runs every batch
-            size = batch_size(last_target, last_input)
-            self._pending.append((_hypers(opt), last_loss, size))
+            # The common cases inline: a batch of targets; an HPOptimizer's
+            # (lr, mom) as floats, noted by its step (a scheduler may already
+            # have set the next ones).
+            yb = last_target
+            if type(yb) is torch.Tensor and yb.ndim:
+                size = yb.shape[0]
+            else:
+                size = batch_size(yb, last_input)
+            hypers = getattr(opt, "stepped", None)
+            if (
+                hypers is None
+                or type(hypers[0]) is not float
+                or (hypers[1] is not None and type(hypers[1]) is not float)
+            ):
+                hypers = _hypers(opt)
+            self._pending.append((hypers, last_loss, size))
             self._count += 1
             if len(self._pending) >= FLUSH_EVERY:  # bounded, also in endless epochs
                 self._flush()
@@ -304,8 +318,21 @@ class Recorder(Callback):
         values = to_floats([loss for _, loss, _ in steps], extra)
         losses, n = values[: len(steps)], len(steps)
         iteration = self._count - n
+        smoothed = self._smoother(losses)
+        if (
+            self._stride == 1
+            and self._part is None
+            and len(self._points) + n <= self._max_points
+        ):  # the common case: each step a whole point of its own
+            self._points += [
+                _Point(1, size, loss, lr, mom, smooth, i)
+                for ((lr, mom), _, size), loss, smooth, i in zip(
+                    steps, losses, smoothed, range(iteration, iteration + n)
+                )
+            ]
+            return values[n:]
         for ((lr, mom), _, size), loss, smooth in zip(
-            steps, losses, self._smoother(losses), strict=True
+            steps, losses, smoothed, strict=True
         ):
             part = self._part
             if part is None and len(self._points) >= self._max_points:
