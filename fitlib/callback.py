@@ -530,8 +530,14 @@ class CallbackHandler:
         return True
 
     def __call__(self, event: str, **extra: Any) -> None:
-        """Calls ``event`` on every callback that overrides it."""
-        kwargs = {**self.state, **extra} if extra else self.state
+        """Calls ``event`` on every callback that overrides it (with ``extra``
+        keys added to the state they receive)."""
+        self._run(event, {**self.state, **extra} if extra else None)
+
+    def _run(self, event: str, kwargs: dict | None = None) -> None:
+        """Calls the hooks of ``event`` with ``kwargs`` (default: the state);
+        the per-batch events come here directly, without ``**extra``."""
+        kwargs = self.state if kwargs is None else kwargs
         for cb, hook in self._hooks[event]:  # (_call, inlined: the hot path)
             try:
                 update = hook(kwargs)
@@ -619,29 +625,29 @@ class CallbackHandler:
         if train:
             state["skip_bwd"] = state["skip_step"] = state["skip_zero"] = False
         if self._hooks["on_batch_begin"]:
-            self("on_batch_begin")
+            self._run("on_batch_begin")
         return state["last_input"], state["last_target"]
 
     def on_loss_begin(self, out: Any) -> Any:
         self.state["last_output"] = out
         if self._hooks["on_loss_begin"]:
-            self("on_loss_begin")
+            self._run("on_loss_begin")
         return self.state["last_output"]
 
     def on_backward_begin(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
         self.state["last_loss"] = loss
         if self._hooks["on_backward_begin"]:
-            self("on_backward_begin")
+            self._run("on_backward_begin")
         return self.state["last_loss"], self.state["skip_bwd"]
 
     def on_backward_end(self) -> bool:
         if self._hooks["on_backward_end"]:
-            self("on_backward_end")
+            self._run("on_backward_end")
         return self.state["skip_step"]
 
     def on_step_end(self) -> bool:
         if self._hooks["on_step_end"]:
-            self("on_step_end")
+            self._run("on_step_end")
         if not self.state["skip_step"]:
             self.state["step"] += 1
         return self.state["skip_zero"]
@@ -675,9 +681,13 @@ class CallbackHandler:
                 size = yb.shape[0]
             else:
                 size = batch_size(yb, state["last_input"])
-            self.tally.add_batch(loss, size, train, parts, state["last_output"], yb)
+            tally = self.tally
+            if train and not parts and not tally.has_metrics:  # inline: per step
+                tally.loss.add(loss, size)
+            else:
+                tally.add_batch(loss, size, train, parts, state["last_output"], yb)
         if self._hooks["on_batch_end"]:
-            self("on_batch_end")
+            self._run("on_batch_end")
         if train:
             state["iteration"] += 1
             budget = state["max_steps"]

@@ -166,7 +166,7 @@ class EpochTally:
 
     def __init__(self, train_metrics: Metrics | None = None) -> None:
         self.train_metrics = train_metrics if train_metrics else Metrics(None)
-        self._has_metrics = bool(self.train_metrics)  # read per step: once
+        self.has_metrics = bool(self.train_metrics)  # read per step: once
         self._checked = False  # the metrics' inputs, at the first batch
         # The loss parts seen in this fit: each has a train_ and a valid_
         # value in every record from then on (None where not computed).
@@ -195,7 +195,7 @@ class EpochTally:
         only their loss parts: ``validate`` sums their loss itself."""
         if train:
             self.loss.add(loss, size)
-            if self._has_metrics:
+            if self.has_metrics:
                 self._update_metrics(output, targets)
         if parts:
             prefix = "train_" if train else "valid_"
