@@ -19,11 +19,14 @@ misses.
 on the smallest workload: an MLP 32->64->10 with batch norm and dropout,
 plain SGD, a ``DataLoader`` of batch 32 over a ``TensorDataset`` (4,096
 training samples: 128 steps per epoch), validation with accuracy after every
-epoch, one thread. Three variants:
+epoch, one thread. Four variants:
 
 - ``hand-written``: train mode, forward, loss, backward, step, zero_grad per
   batch; per epoch a validation pass (eval mode, no grad) whose loss and
   accuracy are summed on the device and read once, in one transfer;
+- ``+ train loss``: the same, also keeping each step's detached loss and
+  reading the epoch's training loss with the validation values (what ``fit``
+  reports and the plain loop does not compute);
 - ``fit + accuracy``: ``fitlib.fit`` with ``metrics=[accuracy]``, no
   callbacks;
 - ``Learner (no bar)``: the default ``Learner`` (its ``Recorder``, ``wd=0``
@@ -38,7 +41,7 @@ epoch ends add 1/128 of their cost to each step (for every variant). Runs set
 instrumentation starts after the imports (``--instr-atstart=no``, switched
 on by the child with ``callgrind_control``), which only saves time. Repeat
 runs of one loop still move by about +-1.5% (memory layout); ``--repeat N``
-runs each process N times and takes the median. About 3 minutes per
+runs each process N times and takes the median. About 4 minutes per
 repeat on two cores.
 
 ``--function module:qualname`` (with ``--per-step``) also counts, per step,

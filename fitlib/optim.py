@@ -93,7 +93,9 @@ class HPOptimizer:
 
     @classmethod
     def wrap(cls, opt: torch.optim.Optimizer) -> HPOptimizer:
-        """An ``HPOptimizer`` over an existing optimizer, its settings as they are.
+        """An ``HPOptimizer`` over an existing optimizer, its settings as they
+        are (an int ``lr`` or ``momentum``, e.g. SGD's default 0, becomes the
+        same float).
 
         Example:
             >>> opt = HPOptimizer.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
