@@ -167,6 +167,19 @@ def step_model() -> nn.Module:
     )
 
 
+def hand_validation(model: nn.Module, valid: DataLoader) -> list[torch.Tensor]:
+    """fitlib's validation by hand: loss and accuracy summed on the device
+    (eval mode, no grad), left there for the caller's one transfer."""
+    model.eval()
+    valid_loss, correct, n = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in valid:
+            out = model(x)
+            valid_loss = valid_loss + F.cross_entropy(out, y) * len(y)
+            correct, n = correct + (out.argmax(1) == y).sum(), n + len(y)
+    return [valid_loss / n, correct / n]
+
+
 def step_hand_written(epochs: int, train: DataLoader, valid: DataLoader) -> None:
     """The plain loop, with fitlib's validation: loss and accuracy on the
     device, read once per epoch."""
@@ -179,14 +192,7 @@ def step_hand_written(epochs: int, train: DataLoader, valid: DataLoader) -> None
             loss.backward()
             opt.step()
             opt.zero_grad()
-        model.eval()
-        valid_loss, correct, n = 0.0, 0, 0
-        with torch.no_grad():
-            for x, y in valid:
-                out = model(x)
-                valid_loss = valid_loss + F.cross_entropy(out, y) * len(y)
-                correct, n = correct + (out.argmax(1) == y).sum(), n + len(y)
-        torch.stack([valid_loss / n, correct / n]).tolist()
+        torch.stack(hand_validation(model, valid)).tolist()
 
 
 def step_hand_written_loss(epochs: int, train: DataLoader, valid: DataLoader) -> None:
@@ -205,15 +211,8 @@ def step_hand_written_loss(epochs: int, train: DataLoader, valid: DataLoader) ->
             opt.zero_grad()
             losses.append(loss.detach())
             sizes.append(len(y))
-        model.eval()
-        valid_loss, correct, n = 0.0, 0, 0
-        with torch.no_grad():
-            for x, y in valid:
-                out = model(x)
-                valid_loss = valid_loss + F.cross_entropy(out, y) * len(y)
-                correct, n = correct + (out.argmax(1) == y).sum(), n + len(y)
         train_loss = torch.stack(losses) @ torch.tensor(sizes, dtype=torch.float32)
-        torch.stack([train_loss / sum(sizes), valid_loss / n, correct / n]).tolist()
+        torch.stack([train_loss / sum(sizes), *hand_validation(model, valid)]).tolist()
 
 
 def step_fit(epochs: int, train: DataLoader, valid: DataLoader) -> None:

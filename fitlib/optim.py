@@ -146,9 +146,7 @@ class HPOptimizer:
         step goes through ``grad_scaler.step``, which skips it when the
         gradients are not finite.
         """
-        group = self.opt.param_groups[-1]  # lr_and_momentum, inline (per step)
-        betas = group.get("betas")
-        self.stepped = group["lr"], group.get("momentum") if betas is None else betas[0]
+        self.stepped = lr_and_momentum(self.opt.param_groups[-1])
         if self.grad_scaler is not None:
             return self._scaled_step(closure)
         if self.true_wd and not self._native_wd:
