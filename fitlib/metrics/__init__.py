@@ -11,23 +11,46 @@ from fitlib.metrics.accumulate import (
     accumulation_dtype,
     weighted_sum,
 )
-from fitlib.metrics.classification import F1Score, FBeta
+from fitlib.metrics.classification import (
+    Accuracy,
+    Dice,
+    ErrorRate,
+    F1Score,
+    FBeta,
+    MeanIoU,
+    Perplexity,
+    TokenAccuracy,
+)
 from fitlib.metrics.collection import Metrics, as_metric
-from fitlib.metrics.functions import accuracy, error_rate, mae, mse, top_k_accuracy
+from fitlib.metrics.functions import (
+    accuracy,
+    error_rate,
+    find_class_dim,
+    mae,
+    mse,
+    top_k_accuracy,
+)
 from fitlib.metrics.regression import RMSE, R2Score
 
 __all__ = [
     "RMSE",
+    "Accuracy",
     "AvgMetric",
+    "Dice",
+    "ErrorRate",
     "F1Score",
     "FBeta",
+    "MeanIoU",
     "Metric",
     "Metrics",
+    "Perplexity",
     "R2Score",
+    "TokenAccuracy",
     "accumulation_dtype",
     "accuracy",
     "as_metric",
     "error_rate",
+    "find_class_dim",
     "mae",
     "mse",
     "top_k_accuracy",

@@ -7,6 +7,7 @@ flat tensor and sums it over the processes with one call to
 the whole set.
 """
 
+import functools
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -20,6 +21,8 @@ from fitlib.metrics.accumulate import (
     _TorchMetricAdapter,
     accumulation_dtype,
 )
+from fitlib.metrics.classification import Accuracy, ErrorRate
+from fitlib.metrics.functions import accuracy, error_rate
 
 Reducer = Callable[[Tensor], Tensor]
 
@@ -54,9 +57,25 @@ def as_metric(m: object) -> Metric:
             raise _bad_metric(m, f"it needs arguments ({e}); pass an instance") from e
     if _is_torchmetric(m):
         return _TorchMetricAdapter(m)
+    counted = _counted(m)
+    if counted is not None:
+        return counted
     if callable(m):
         return AvgMetric(m)
     raise _bad_metric(m, "it is not callable")
+
+
+def _counted(m: object) -> Metric | None:
+    """``accuracy`` and ``error_rate`` (or a ``functools.partial`` of them with
+    ``class_dim`` / ``ignore_index``) as the metric that counts them over the
+    whole set: exact when batches count different numbers of targets."""
+    func, kwargs = m, {}
+    if isinstance(m, functools.partial) and not m.args:
+        func, kwargs = m.func, m.keywords
+    cls = {accuracy: Accuracy, error_rate: ErrorRate}.get(func)  # type: ignore[call-overload]
+    if cls is None or not kwargs.keys() <= {"class_dim", "ignore_index"}:
+        return None
+    return cls(**kwargs)
 
 
 def _unique(names: list[str]) -> list[str]:

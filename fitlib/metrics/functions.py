@@ -1,5 +1,7 @@
 """Metrics computed per batch as a mean; ``AvgMetric`` averages them over samples."""
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -19,7 +21,8 @@ def _match(pred: Tensor, y: Tensor, fname: str) -> Tensor:
 
 
 def _pred_classes(out: Tensor) -> tuple[Tensor, int]:
-    """Class predictions and class count; one logit column means binary (> 0)."""
+    """Class predictions and class count over the last dim; one logit column
+    means binary (> 0). (``top_k_accuracy``; the others use ``class_predictions``.)"""
     if out.ndim == 0:
         raise ValueError("output is a 0-dim tensor. Fix: return one row per sample.")
     if out.ndim == 1 or out.shape[-1] == 1:
@@ -27,23 +30,110 @@ def _pred_classes(out: Tensor) -> tuple[Tensor, int]:
     return out.argmax(-1), out.shape[-1]
 
 
+def check_index(value: Any, name: str, owner: str, example: str) -> int | None:
+    """``value`` if it is an int (or None); else a TypeError naming it."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise TypeError(
+        f"{owner}: {name} must be an int or None; got {value!r} "
+        f"({type(value).__name__}). Fix: e.g. {owner}({name}={example})."
+    )
+
+
+def find_class_dim(out: Tensor, y: Tensor, name: str, dim: int | None = None) -> int:
+    """The dimension of ``out`` that holds the class scores of targets ``y``.
+
+    ``dim`` when given; else the last dim when the output without it has the
+    targets' shape (``(N, C)`` with ``(N,)``, a sequence's ``(B, T, C)`` with
+    ``(B, T)``), or dim 1 when that fits (channels first, as PyTorch's losses
+    take them: a segmentation's ``(B, C, H, W)`` with ``(B, H, W)``). When
+    both fit (``C == T``), the caller must say which.
+    """
+    if dim is not None:
+        if not -out.ndim <= dim < out.ndim:
+            raise ValueError(
+                f"{name}: class_dim={dim} is not a dimension of the output, of "
+                f"shape {tuple(out.shape)}. Fix: the dim that holds the class "
+                "scores (1 for channels first, -1 for channels last)."
+            )
+        return dim % out.ndim
+    last = out.shape[:-1] == y.shape
+    first = out.ndim >= 3 and out.shape[:1] + out.shape[2:] == y.shape
+    if last and first:
+        raise ValueError(
+            f"{name}: the output, of shape {tuple(out.shape)}, may hold the class "
+            f"scores of targets of shape {tuple(y.shape)} in dim 1 or in the last "
+            f"dim. Fix: say which, e.g. {name} with class_dim=1 (channels first) "
+            "or class_dim=-1 (a sequence's (B, T, C))."
+        )
+    if first:
+        return 1
+    if not last and out.ndim >= 3 and y.ndim == out.ndim - 1:
+        spatial = (y.shape[0], *out.shape[2:])
+        raise ValueError(
+            f"{name}: the output, of shape {tuple(out.shape)}, has no class dim "
+            f"whose removal gives the target shape {tuple(y.shape)}: channels "
+            f"first it scores targets of shape {spatial}, channels last of shape "
+            f"{tuple(out.shape[:-1])}. Fix: give targets of the output's spatial "
+            "shape (resize the masks with the images, or upsample the output)."
+        )
+    return out.ndim - 1  # (N, C) with (N, 1) targets: _match reshapes
+
+
+def class_predictions(
+    out: Tensor, y: Tensor, name: str, dim: int | None = None
+) -> tuple[Tensor, int]:
+    """Each target's predicted class (the argmax over ``class_dim``), shaped
+    like ``y``, and the class count. One score per target (a 1-d output, or a
+    class dim of size 1) is a binary logit: class 1 when > 0."""
+    if out.ndim == 0:
+        raise ValueError(
+            f"{name}: output is a 0-dim tensor. Fix: return one row per sample."
+        )
+    if out.ndim == 1:
+        pred, n = (out > 0).long(), 2
+    else:
+        d = find_class_dim(out, y, name, dim)
+        if out.shape[d] == 1:
+            pred, n = (out.squeeze(d) > 0).long(), 2
+        else:
+            pred, n = out.argmax(d), out.shape[d]
+    return _match(pred, y, name), n
+
+
 def _regression_pair(out: Tensor, y: Tensor, fname: str) -> tuple[Tensor, Tensor]:
     dtype = torch.promote_types(out.dtype, torch.float32)
     return _match(out, y, fname).to(dtype), y.to(dtype)
 
 
-def accuracy(out: Tensor, y: Tensor) -> Tensor:
+def accuracy(
+    out: Tensor,
+    y: Tensor,
+    *,
+    class_dim: int | None = None,
+    ignore_index: int | None = None,
+) -> Tensor:
     """Fraction of correct predictions in a batch.
 
-    Multiclass outputs use argmax over the last dim; a 1-d output or one column
-    is a binary logit, predicted positive when > 0.
+    The class scores sit in the last dim, or in dim 1 for a channels-first
+    output (a segmentation's ``(B, C, H, W)`` with ``(B, H, W)`` targets: per
+    pixel); ``class_dim`` says which when both fit. A 1-d output or one score
+    column is a binary logit, predicted positive when > 0. Targets equal to
+    ``ignore_index`` (padding, unlabelled pixels) are not counted.
+
+    In ``metrics=[...]``, ``accuracy`` (or a ``functools.partial`` of it) is
+    counted over the whole set by ``Accuracy``: exact however many targets each
+    batch counts.
 
     Example:
         >>> accuracy(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
         tensor(0.5000)
     """
-    pred = _match(_pred_classes(out)[0], y, "accuracy")
-    return (pred == y).mean(dtype=torch.float32)
+    pred = class_predictions(out, y, "accuracy", class_dim)[0]
+    if ignore_index is None:
+        return (pred == y).mean(dtype=torch.float32)
+    keep = y != ignore_index
+    return ((pred == y) & keep).sum() / keep.sum().to(torch.float32)
 
 
 def top_k_accuracy(out: Tensor, y: Tensor, k: int = 5) -> Tensor:
@@ -65,14 +155,20 @@ def top_k_accuracy(out: Tensor, y: Tensor, k: int = 5) -> Tensor:
     return hit.any(-1).float().mean()
 
 
-def error_rate(out: Tensor, y: Tensor) -> Tensor:
-    """One minus `accuracy`.
+def error_rate(
+    out: Tensor,
+    y: Tensor,
+    *,
+    class_dim: int | None = None,
+    ignore_index: int | None = None,
+) -> Tensor:
+    """One minus `accuracy` (same arguments; ``ErrorRate`` in ``metrics=[...]``).
 
     Example:
         >>> error_rate(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
         tensor(0.5000)
     """
-    return 1 - accuracy(out, y)
+    return 1 - accuracy(out, y, class_dim=class_dim, ignore_index=ignore_index)
 
 
 def mse(out: Tensor, y: Tensor) -> Tensor:
@@ -97,10 +193,17 @@ def mae(out: Tensor, y: Tensor) -> Tensor:
     return (o - t).abs().mean()
 
 
-def check_class_targets(name: str, output: Tensor, *targets: Tensor) -> None:
+def check_class_targets(
+    name: str,
+    output: Tensor,
+    *targets: Tensor,
+    class_dim: int | None = None,
+    ignore_index: int | None = None,
+) -> None:
     """Refuses targets that are no class labels of the output: floats with a
     fractional part (a regression's) or labels outside the classes it scores
-    would score 0 or NaN. Reads one value from the device."""
+    would score 0 or NaN; ``ignore_index`` is not a label. Also refuses a
+    target shape no class dim explains. Reads one value from the device."""
     y = targets[0] if targets else None
     if not isinstance(y, Tensor) or not isinstance(output, Tensor) or not y.numel():
         return
@@ -109,24 +212,34 @@ def check_class_targets(name: str, output: Tensor, *targets: Tensor) -> None:
         "R2Score() for a regression; for classification, give class indices "
         "(or 0/1 labels for one logit column)."
     )
+    labels = y if ignore_index is None else y[y != ignore_index]
     if y.is_floating_point():
-        fractional = y != y.round()
+        fractional = labels != labels.round()
         if fractional.any():
-            example = y[fractional][0].item()
+            example = labels[fractional][0].item()
             raise ValueError(
                 f"{name} scores class predictions, but the targets are not class "
                 f"labels: floats such as {example:g} (a regression?). {fix}"
             )
-    n = 2 if output.ndim < 2 or output.shape[-1] == 1 else output.shape[-1]
-    outside = (y < 0) | (y >= n)
+    if output.ndim < 2:
+        n, where = 2, "last dimension"
+    else:
+        d = find_class_dim(output, y, name, class_dim)
+        n = 2 if output.shape[d] == 1 else output.shape[d]
+        where = "last dimension" if d == output.ndim - 1 else f"dimension {d}"
+    outside = (labels < 0) | (labels >= n)
     if outside.any():
-        example = y[outside][0].item()
+        example = labels[outside][0].item()
         what = "one logit column: classes 0 and 1" if n == 2 else f"{n} classes"
+        pad = (
+            f"padding such as -100? pass ignore_index=-100 to {name}"
+            if ignore_index is None
+            else f"{name} ignores only {ignore_index}"
+        )
         raise ValueError(
-            f"{name} scores class predictions over the output's last dimension "
+            f"{name} scores class predictions over the output's {where} "
             f"({what}), but the targets hold {example:g}, outside it (a "
-            f"regression? classes in another dimension? padding such as -100, "
-            f"which {name} does not mask?). {fix}"
+            f"regression? classes in another dimension? {pad}). {fix}"
         )
 
 

@@ -400,3 +400,28 @@ def test_a_torchmetrics_metric_with_list_states_is_refused():
         TypeError, match=r"(?s)binary_auroc.*state 'preds'.*dim_zero_cat.*Fix"
     ):
         ms.reducer = lambda t: t
+
+
+def test_dense_class_metrics_sum_across_processes():
+    """Per-pixel counts (ignored pixels left out) and perplexity's sums."""
+    from fitlib.metrics import Accuracy, Dice, MeanIoU, Perplexity
+
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(41, 3, 4, 4, generator=g)
+    y = torch.randint(0, 3, (41, 4, 4), generator=g)
+    y[torch.rand(41, 4, 4, generator=g) < 0.2] = -100
+    ds = TensorDataset(out, y)
+
+    def make():
+        return [
+            Accuracy(ignore_index=-100),
+            MeanIoU(ignore_index=-100),
+            Dice(ignore_index=-100),
+            Perplexity(),
+        ]
+
+    def no_loss(o, y):  # the metrics are under test here, not the loss
+        return o.sum() * 0
+
+    rel = {0: 0, 4: 1e-12}  # perplexity's float sums
+    check(ds, interleaved(41, 3), no_loss, make, {1, 2, 3}, rel)
