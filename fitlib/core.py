@@ -399,16 +399,15 @@ def to_device(x: Any, device: torch.device) -> Any:
 
 
 def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tuple]:
-    """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their form."""
+    """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their
+    form; a batch of inputs only (``(x,)`` or a tensor) comes as ``(x, ())``:
+    no targets, so ``loss_func(output)``."""
     n = 0
     for batch in dl:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(
-                f"{name} yielded a batch of {describe(batch)}; fitlib needs each "
-                "batch to be an (x, y) pair (x: inputs, y: targets; either may be "
-                f"a tuple of tensors). Fix: {regroup_fix(batch)}"
-            )
-        x, y = batch
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            x, y = batch
+        else:
+            x, y = inputs_only(batch, name), ()
         # to_device's common case inline (this runs per step): tensors there.
         if type(x) is not torch.Tensor or x.device != device:
             x = to_device(x, device)
@@ -424,6 +423,21 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
             f"{name} yielded no batches; fitlib needs at least one."
             + (one_shot_note(dl) or " Fix: check the dataset's length.")
         )
+
+
+def inputs_only(batch: Any, name: str = "dl") -> Any:
+    """The inputs of a batch without targets: ``(x,)`` or a tensor ``x``
+    (an autoencoder's, a GAN's); anything else is refused."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        return batch[0]
+    raise TypeError(
+        f"{name} yielded a batch of {describe(batch)}; fitlib needs each batch "
+        "to be an (x, y) pair (x: inputs, y: targets; either may be a tuple of "
+        "tensors), or inputs only: (x,) or a tensor, the loss then called as "
+        f"loss_func(output). Fix: {regroup_fix(batch)}"
+    )
 
 
 def weighted_mean(values: list[float], weights: list[int]) -> float:

@@ -340,13 +340,13 @@ class Learner:
 
     def get_preds(
         self, dl: Iterable | None = None, activation: Callable | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Any, torch.Tensor | None]:
         """Model outputs and targets over ``dl`` (validation set by default).
 
         Outputs stay on the device until the end, then move to the CPU at once;
         a model with several outputs gives a tuple. ``activation`` (e.g.
         ``partial(torch.softmax, dim=-1)``) is applied to the outputs; targets
-        are the first target of each batch.
+        are the first target of each batch (None for batches of inputs only).
         """
         collect = _Collect()  # validate is the one inference loop
         validate(
@@ -355,7 +355,8 @@ class Learner:
         preds = _cat(collect.outputs)
         preds = activation(preds) if activation is not None else preds
         cpu = torch.device("cpu")
-        return to_device(preds, cpu), to_device(torch.cat(collect.targets), cpu)
+        targets = torch.cat(collect.targets) if collect.targets else None
+        return to_device(preds, cpu), to_device(targets, cpu)
 
     def predict(self, x: Any, activation: Callable | None = None) -> Any:
         """The model's output for one item or a batch of items, on the CPU."""
@@ -791,7 +792,9 @@ class _Collect(Callback):
 
     def on_batch_end(self, last_output: Any, last_target: Any) -> None:
         self.outputs.append(last_output)
-        self.targets.append(as_tuple(last_target)[0])
+        targets = as_tuple(last_target)
+        if targets:  # batches of inputs only have none
+            self.targets.append(targets[0])
 
 
 def _cat(outputs: list[Any]) -> Any:
