@@ -23,7 +23,21 @@ from fitlib.metrics.functions import (
 )
 
 
-class Accuracy(Metric):
+class _ClassMetric(Metric):
+    """A metric of class targets: checks them on a first batch, knowing its
+    ``class_dim`` and ``ignore_index``."""
+
+    class_dim: int | None = None
+    ignore_index: int | None = None
+
+    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
+        check_class_targets(
+            self.name, output, *targets, class_dim=self.class_dim,
+            ignore_index=self.ignore_index,
+        )  # fmt: skip
+
+
+class Accuracy(_ClassMetric):
     """Fraction of correct class predictions, counted over the whole set.
 
     ``metrics=[accuracy]`` uses it; give it to say where the classes are or
@@ -58,12 +72,6 @@ class Accuracy(Metric):
     def reset(self) -> None:
         self.hits: Tensor | None = None  # a device count
         self.count: int | Tensor = 0  # a device count when targets are ignored
-
-    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
-        check_class_targets(
-            self.name, output, *targets, class_dim=self.class_dim,
-            ignore_index=self.ignore_index,
-        )  # fmt: skip
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         y = targets[0]
@@ -125,7 +133,7 @@ class TokenAccuracy(Accuracy):
     default_ignore = -100
 
 
-class _ConfusionMetric(Metric):
+class _ConfusionMetric(_ClassMetric):
     """Scores from a confusion matrix accumulated on the device (rows are
     targets, columns predictions). Targets outside ``[0, num_classes)``
     cannot be checked without a sync, so they are counted aside and make
@@ -151,12 +159,6 @@ class _ConfusionMetric(Metric):
         # Flat C*C counts plus one trailing slot for out-of-range targets.
         self.cm: Tensor | None = None
         self.n_cls = 0
-
-    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
-        check_class_targets(
-            self.name, output, *targets, class_dim=self.class_dim,
-            ignore_index=self.ignore_index,
-        )  # fmt: skip
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         y = targets[0]
@@ -337,7 +339,7 @@ class MeanIoU(_ConfusionMetric):
         return self._nan_if_outside(_mean_present(iou, den))
 
 
-class Perplexity(Metric):
+class Perplexity(_ClassMetric):
     """exp(mean cross-entropy per token) over the whole set, padding
     (``ignore_index``, -100 by default) left out. The output holds the
     logits (class dim found as for ``Accuracy``, or ``class_dim``).
@@ -366,12 +368,6 @@ class Perplexity(Metric):
     def reset(self) -> None:
         self.total: Tensor | None = None  # summed cross-entropy, on the device
         self.count: Tensor | None = None  # tokens counted
-
-    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
-        check_class_targets(
-            self.name, output, *targets, class_dim=self.class_dim,
-            ignore_index=self.ignore_index,
-        )  # fmt: skip
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         y = targets[0]
