@@ -146,6 +146,7 @@ from fitlib.record import (
     check_record_names,
     step_lr,
 )
+from fitlib.structure import map_tensors
 
 EVENTS = (
     "on_train_begin",
@@ -307,14 +308,7 @@ class Callback:
 
 
 def _detached(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        items = [_detached(o) for o in x]
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
-    return x
+    return map_tensors(torch.Tensor.detach, x)
 
 
 Hook = Callable[[dict], Any]

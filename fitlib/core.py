@@ -34,6 +34,7 @@ from fitlib.errors import describe, name_of, reraise
 from fitlib.metrics import Metrics, weighted_sum
 from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size, first_tensor, to_floats  # noqa: F401 (here before)
+from fitlib.structure import map_tensors
 
 LossFunc = Callable[..., torch.Tensor]
 # The first-batch checks of the loss, in training and in validation.
@@ -383,19 +384,17 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def to_device(x: Any, device: torch.device) -> Any:
-    """Moves a tensor, or the tensors in a tuple/list/dict, to ``device``."""
-    if isinstance(x, torch.Tensor):
-        if x.device == device:
-            return x
+    """Moves a tensor, or the tensors in a structure (tuple, list, dict,
+    dataclass), to ``device``."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
         # Asynchronous only towards CUDA: a copy to the host must be complete
         # before Python reads it.
-        return x.to(device, non_blocking=device.type == "cuda")
-    if isinstance(x, (tuple, list)):
-        items = [to_device(o, device) for o in x]
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
-    return x
+        return t.to(device, non_blocking=device.type == "cuda")
+
+    return map_tensors(move, x)
 
 
 def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tuple]:

@@ -75,6 +75,7 @@ from fitlib.sharding import (
     model_state,
     optimizer_state,
 )
+from fitlib.structure import join, map_tensors
 
 NORM_TYPES = (
     nn.modules.batchnorm._BatchNorm,
@@ -340,33 +341,46 @@ class Learner:
 
     def get_preds(
         self, dl: Iterable | None = None, activation: Callable | None = None
-    ) -> tuple[Any, torch.Tensor | None]:
+    ) -> tuple[Any, Any]:
         """Model outputs and targets over ``dl`` (validation set by default).
 
-        Outputs stay on the device until the end, then move to the CPU at once;
-        a model with several outputs gives a tuple. ``activation`` (e.g.
-        ``partial(torch.softmax, dim=-1)``) is applied to the outputs; targets
-        are the first target of each batch (None for batches of inputs only).
+        Outputs keep their structure (a tensor, or a tuple, dict or dataclass
+        of tensors), each tensor joined over the batches along dim 0; they
+        stay on the device until the end, then move to the CPU at once.
+        Tensors whose other dims vary between batches (padded sequences) are
+        padded to the largest: float with nan, int with -100 (what torch's
+        losses ignore), bool with False; a 0-dim tensor (one value per batch)
+        gives one value per batch. ``activation`` (e.g.
+        ``partial(torch.softmax, dim=-1)``) is applied to the joined outputs.
+        Targets are the first target of each batch, joined the same way (None
+        for batches of inputs only).
         """
         collect = _Collect()  # validate is the one inference loop
         validate(
             self.model, self._loader(dl), self.loss_func, CallbackHandler([collect])
         )
-        preds = _cat(collect.outputs)
+        preds = join(collect.outputs)
         preds = activation(preds) if activation is not None else preds
+        targets = join(collect.targets) if collect.targets else None
         cpu = torch.device("cpu")
-        targets = torch.cat(collect.targets) if collect.targets else None
         return to_device(preds, cpu), to_device(targets, cpu)
 
     def predict(self, x: Any, activation: Callable | None = None) -> Any:
-        """The model's output for one item or a batch of items, on the CPU."""
+        """The model's output for one item or a batch of items, on the CPU.
+
+        One item (``x`` without the batch dim, judged from the dataset's first
+        item) gets it added, and every tensor of the output with a batch dim
+        loses it again: a tuple, dict or dataclass output keeps its structure.
+        """
         device = model_device(self.model)
         single = _is_single_item(x, self.data)
-        xb = _unsqueeze(x) if single else x
+        xb = map_tensors(lambda t: t.unsqueeze(0), x) if single else x
         with evaluating(self.model):  # then back to the mode it was in
             out = call_model(self.model, to_device(xb, device))
         out = activation(out) if activation is not None else out
-        return out[0].cpu() if single else out.cpu()
+        if single:
+            out = map_tensors(lambda t: t[0] if t.ndim else t, out)
+        return to_device(out, torch.device("cpu"))
 
     def _loader(self, dl: Iterable | None) -> Iterable:
         dl = self.data.valid_dl if dl is None else dl
@@ -795,21 +809,6 @@ class _Collect(Callback):
         targets = as_tuple(last_target)
         if targets:  # batches of inputs only have none
             self.targets.append(targets[0])
-
-
-def _cat(outputs: list[Any]) -> Any:
-    """Batches of outputs joined: a tensor, or a tuple for several outputs."""
-    if isinstance(outputs[0], (tuple, list)):
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
-    return torch.cat(outputs)
-
-
-def _unsqueeze(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.unsqueeze(0)
-    if isinstance(x, dict):
-        return {k: _unsqueeze(v) for k, v in x.items()}
-    return type(x)(_unsqueeze(o) for o in x)
 
 
 def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> None:
