@@ -140,3 +140,185 @@ def test_a_batch_of_three_is_refused_with_the_inputs_only_forms_named():
         TypeError, match=r"(?s)inputs only: \(x,\) or a tensor.*b\[1:\]"
     ):
         fit(1, model, F.mse_loss, opt, DataBunch(dl, None, device="cpu"))
+
+
+# -- structured outputs ----------------------------------------------------------
+class Detector(nn.Module):
+    """SSD-style: class scores and a box per sample."""
+
+    def __init__(self, out=lambda *heads: heads):
+        super().__init__()
+        self.body, self.cls, self.box = (
+            nn.Linear(5, 16),
+            nn.Linear(16, 3),
+            nn.Linear(16, 4),
+        )
+        self.out = out
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.out(self.cls(h), self.box(h))
+
+
+def detection_data(n=48, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y_cls = x[:, :3].argmax(1)
+    y_box = x[:, 1:5] * 2
+    ds = TensorDataset(x, y_cls, y_box)
+
+    def collate(b):  # (x, (y_cls, y_box)): two targets
+        x, y_cls, y_box = (torch.stack(column) for column in zip(*b, strict=True))
+        return x, (y_cls, y_box)
+
+    train = DataLoader(ds, 8, shuffle=True, generator=g, collate_fn=collate)
+    return (
+        x,
+        y_cls,
+        y_box,
+        DataBunch(train, DataLoader(ds, 20, collate_fn=collate), device="cpu"),
+    )
+
+
+def detection_loss(out, y_cls, y_box):
+    ce, box = F.cross_entropy(out[0], y_cls), F.mse_loss(out[1], y_box)
+    return {"loss": ce + box, "ce": ce, "box": box}
+
+
+def test_a_two_head_model_trains_with_a_metric_per_head_and_its_loss_parts():
+    from fitlib.metrics import Part, mse
+
+    x, y_cls, y_box, data = detection_data()
+    torch.manual_seed(0)
+    metrics = [
+        Part(accuracy, output=0, target=0),
+        Part(mse, output=1, target=1, name="box_mse"),
+    ]
+    learn = Learner(data, Detector(), detection_loss, metrics=metrics, progress=False)
+    history = learn.fit(4, lr=0.02)
+    last = history[-1]
+    assert {
+        "accuracy",
+        "box_mse",
+        "train_ce",
+        "valid_ce",
+        "train_box",
+        "valid_box",
+    } <= last.keys()
+    assert last["valid_box"] < history[0]["valid_box"]
+    with torch.no_grad():
+        cls, box = learn.model.eval()(x)
+    assert last["accuracy"] == pytest.approx(
+        (cls.argmax(1) == y_cls).double().mean().item()
+    )
+    assert last["box_mse"] == pytest.approx(F.mse_loss(box, y_box).item(), rel=1e-5)
+    assert last["valid_box"] == pytest.approx(last["box_mse"], rel=1e-5)
+
+
+def test_predict_keeps_the_structure_for_one_item_and_for_a_batch():
+    x, _, _, data = detection_data()
+    learn = Learner(data, Detector(), detection_loss, progress=False)
+    with torch.no_grad():
+        cls, box = learn.model.eval()(x[:4])
+    one = learn.predict(x[0])
+    assert isinstance(one, tuple) and [t.shape for t in one] == [(3,), (4,)]
+    assert torch.allclose(one[0], cls[0]) and torch.allclose(one[1], box[0])
+    batch = learn.predict(x[:4])
+    assert [t.shape for t in batch] == [(4, 3), (4, 4)]
+    assert torch.allclose(batch[1], box)
+
+
+@pytest.mark.parametrize("kind", ["dict", "dataclass"])
+def test_get_preds_and_predict_join_dict_and_dataclass_outputs(kind):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        boxes: torch.Tensor
+
+    make = (lambda c, b: {"logits": c, "boxes": b}) if kind == "dict" else Output
+    x, y_cls, _, data = detection_data()
+    model = Detector(out=make)
+
+    def loss(out, y_cls, y_box):
+        get = out.__getitem__ if kind == "dict" else functools.partial(getattr, out)
+        return F.cross_entropy(get("logits"), y_cls) + F.mse_loss(get("boxes"), y_box)
+
+    learn = Learner(data, model, loss, metrics=[Part_of("logits")], progress=False)
+    learn.fit(1, lr=0.01)
+    preds, targets = learn.get_preds()
+    with torch.no_grad():
+        want = learn.model.eval()(x)
+    get = (lambda o, k: o[k]) if kind == "dict" else getattr
+    assert type(preds) is type(want)
+    assert torch.allclose(get(preds, "boxes"), get(want, "boxes"))
+    assert torch.equal(targets, y_cls)  # the first target of each batch
+    one = learn.predict(x[0])
+    assert get(one, "logits").shape == (3,)
+
+
+def Part_of(key):  # noqa: N802
+    from fitlib.metrics import Part
+
+    return Part(accuracy, output=key, target=0)
+
+
+def test_get_preds_pads_outputs_whose_length_varies_between_batches():
+    lengths = [3, 5]  # batch 1: 3 tokens, batch 2: 5
+    batches = []
+    g = torch.Generator().manual_seed(4)
+    for t in lengths:
+        x = torch.randint(0, 4, (2, t), generator=g)
+        batches.append((x, x.clone()))
+    model = nn.Sequential(nn.Embedding(4, 8), nn.Linear(8, 4))
+
+    def loss(out, y):
+        return F.cross_entropy(out.transpose(1, 2), y)
+
+    learn = Learner(
+        DataBunch(batches[:1], batches, device="cpu"), model, loss, progress=False
+    )
+    preds, targets = learn.get_preds()
+    assert preds.shape == (4, 5, 4) and targets.shape == (4, 5)
+    assert torch.isnan(preds[:2, 3:]).all() and not torch.isnan(preds[:2, :3]).any()
+    assert (targets[:2, 3:] == -100).all()
+    assert torch.equal(targets[2:], batches[1][1]) and torch.equal(
+        targets[:2, :3], batches[0][1]
+    )
+
+
+def test_a_metric_on_a_structured_output_says_how_to_point_it_at_a_part():
+    from fitlib.metrics import Part
+
+    _, _, _, data = detection_data()
+    learn = Learner(
+        data, Detector(), detection_loss, metrics=[accuracy], progress=False
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"accuracy scores a tensor.*Part\(accuracy, output=0\).*\[0, 1\]",
+    ):
+        learn.validate()
+    learn.metrics = [Part(accuracy, output="logits")]
+    with pytest.raises(ValueError, match=r"no part 'logits': its parts are \[0, 1\]"):
+        learn.validate()
+
+
+def test_torchmetrics_pointed_at_one_head():
+    classification = pytest.importorskip("torchmetrics.classification")
+    from fitlib.metrics import Part
+
+    x, y_cls, _, data = detection_data()
+    tm = classification.MulticlassAccuracy(num_classes=3, average="micro")
+    learn = Learner(
+        data,
+        Detector(),
+        detection_loss,
+        metrics=[Part(tm, output=0, target=0)],
+        progress=False,
+    )
+    got = learn.validate()["multiclass_accuracy"]
+    with torch.no_grad():
+        cls, _ = learn.model.eval()(x)
+    assert got == pytest.approx((cls.argmax(1) == y_cls).float().mean().item())

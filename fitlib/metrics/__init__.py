@@ -21,7 +21,7 @@ from fitlib.metrics.classification import (
     Perplexity,
     TokenAccuracy,
 )
-from fitlib.metrics.collection import Metrics, as_metric
+from fitlib.metrics.collection import Metrics, Part, as_metric
 from fitlib.metrics.functions import (
     accuracy,
     error_rate,
@@ -43,6 +43,7 @@ __all__ = [
     "MeanIoU",
     "Metric",
     "Metrics",
+    "Part",
     "Perplexity",
     "R2Score",
     "TokenAccuracy",

@@ -9,7 +9,7 @@ the whole set.
 
 import functools
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ from fitlib.metrics.accumulate import (
 )
 from fitlib.metrics.classification import Accuracy, ErrorRate
 from fitlib.metrics.functions import accuracy, error_rate
+from fitlib.structure import parts, pick
 
 Reducer = Callable[[Tensor], Tensor]
 
@@ -76,6 +77,92 @@ def _counted(m: object) -> Metric | None:
     if cls is None or not kwargs.keys() <= {"class_dim", "ignore_index"}:
         return None
     return cls(**kwargs)
+
+
+class Part(Metric):
+    """A metric of one part of a structured output (a tuple, dict or
+    dataclass: detection heads, ``transformers``' ``logits``) and of the
+    targets.
+
+    Args:
+        metric: anything ``metrics=[...]`` takes (a function, a ``Metric``,
+            a torchmetrics object).
+        output: the part of the output it scores: an index, a key (or a
+            dataclass field), or a tuple of them for a nested part; None for
+            the whole output.
+        target: the same for the targets: an index among several targets
+            (``loss_func(out, y_cls, y_box)``), or a key or index into one
+            structured target (a dict); None for all of them.
+        name: its name in the record; by default the metric's own.
+
+    Example:
+        >>> metrics = [Part(accuracy, output=0, target=0),
+        ...            Part(mse, output=1, target=1, name="box_mse")]
+    """
+
+    def __init__(
+        self,
+        metric: object,
+        output: Any = None,
+        target: Any = None,
+        name: str | None = None,
+    ) -> None:
+        self.metric = as_metric(metric)
+        self.output, self.target = output, target
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"Part: name must be a str or None; got {describe(name)}. "
+                'Fix: e.g. Part(accuracy, output=0, name="class_accuracy").'
+            )
+        self.name = name or self.metric.name
+
+    def select(self, output: Any, targets: tuple) -> tuple[Any, tuple]:
+        """The output part and the targets this metric scores."""
+        if self.output is not None:
+            output = pick(output, self.output, f"{self.name}: the output")
+        if self.target is not None:
+            whole = targets[0] if len(targets) == 1 else targets
+            targets = (pick(whole, self.target, f"{self.name}: the targets"),)
+        return output, targets
+
+    def reset(self) -> None:
+        self.metric.reset()
+
+    def update(self, output: Any, *targets: Any) -> None:
+        output, targets = self.select(output, targets)
+        self.metric.update(output, *targets)
+
+    def check_inputs(self, output: Any, *targets: Any) -> None:
+        try:
+            output, targets = self.select(output, targets)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+        self.metric.check_inputs(output, *targets)
+
+    def compute(self) -> Tensor:
+        return self.metric.compute()
+
+    def sums(self) -> list[Tensor]:
+        return self.metric.sums()
+
+    def load_sums(self, sums: list[Tensor]) -> None:
+        self.metric.load_sums(sums)
+
+    def check_sums(self) -> None:
+        self.metric.check_sums()
+
+
+def _scores_tensors(m: Metric) -> bool:
+    """Whether ``m`` is one of fitlib's (or torchmetrics') metrics, which score
+    a tensor output: a structured one needs ``Part``."""
+    if isinstance(m, Part):
+        return False
+    if isinstance(m, AvgMetric):
+        func = getattr(m.func, "func", m.func)
+        return getattr(func, "__module__", "").startswith("fitlib.")
+    return isinstance(m, _TorchMetricAdapter) or type(m).__module__.startswith(
+        "fitlib.metrics."
+    )
 
 
 def _unique(names: list[str]) -> list[str]:
@@ -155,6 +242,14 @@ class Metrics:
     def check(self, output: Tensor, targets: tuple) -> None:
         """Each metric's ``check_inputs`` on a first batch (may read the device)."""
         for name, m in zip(self.names, self.metrics, strict=True):
+            if not isinstance(output, Tensor) and _scores_tensors(m):
+                have = parts(output)
+                raise TypeError(
+                    f"{name} scores a tensor, but the model's output is "
+                    f"{describe(output)}. Fix: point it at one part, e.g. "
+                    f"Part({name}, output={have[0]!r}) (the parts are {have}); "
+                    "and at one target with target=..."
+                )
             try:
                 m.check_inputs(output, *targets)
             except (TypeError, ValueError):
