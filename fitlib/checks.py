@@ -269,8 +269,8 @@ REITERABLE = """pass an object that makes a new iterator each epoch:
 
 
 def regroup_fix(batch: Any) -> str:
-    """A wrapper that turns batches like ``batch`` into ``(x, y)`` pairs, as
-    code to copy (a class: a generator would last one epoch only)."""
+    """How to turn batches like ``batch`` into ``(x, y)`` pairs: a
+    ``DataBunch(batch_fn=...)`` to copy (it applies every epoch)."""
     if isinstance(batch, dict) and len(batch) >= 2:
         keys = [f"b[{k!r}]" for k in batch]
         ys = keys[1] if len(keys) == 2 else f"({', '.join(keys[1:])})"
@@ -280,19 +280,12 @@ def regroup_fix(batch: Any) -> str:
     else:
         return (
             "make the dataset return (x, y) pairs (x: inputs, y: targets, "
-            "either a tuple of tensors)."
+            "either a tuple of tensors), or turn each batch into one with "
+            "DataBunch(train_dl, valid_dl, batch_fn=lambda b: (x_of(b), y_of(b)))."
         )
-    return f"""wrap the loader so that each batch becomes (x, y):
+    return f"""turn each batch into (x, y) with batch_fn (applied every epoch):
 
-    class XY:
-        def __init__(self, dl):
-            self.dl = dl
-        def __iter__(self):
-            return ({pair} for b in self.dl){note}
-        def __len__(self):
-            return len(self.dl)
-
-    data = DataBunch(XY(train_dl), XY(valid_dl))"""
+    data = DataBunch(train_dl, valid_dl, batch_fn=lambda b: {pair}){note}"""
 
 
 def _one_shot(dl: Any) -> bool:

@@ -142,12 +142,13 @@ def fit_states(
             # A callback may wrap the model (DistributedDataParallel) and shard
             # the data: training goes through the wrapper, validation does not.
             train_model, device = cb_handler.state["model"], model_device(model)
+            batch_fn = getattr(data, "batch_fn", None)  # (a callback may wrap data)
             for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
                 train_model.train()
                 if cb_handler.on_epoch_begin():  # nothing (more) to train
                     break
                 train_dl = cb_handler.state["data"].train_dl  # a callback may swap it
-                for xb, yb in batches(train_dl, device, "train_dl"):
+                for xb, yb in batches(train_dl, device, "train_dl", batch_fn):
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
                     loss = loss_batch(train_model, xb, yb, loss_func, opt, cb_handler)
                     stop = cb_handler.on_batch_end(loss)
@@ -157,7 +158,9 @@ def fit_states(
                 results = None  # [valid_loss, *metrics] when validation runs
                 valid_dl = getattr(cb_handler.state["data"], "valid_dl", None)
                 if valid_dl is not None and not cb_handler.state["skip_validate"]:
-                    results = validate(model, valid_dl, loss_func, cb_handler, metrics)
+                    results = validate(
+                        model, valid_dl, loss_func, cb_handler, metrics, batch_fn
+                    )
                 if cb_handler.on_epoch_end(results):
                     break
     except GeneratorExit:  # the consumer stopped iterating: a clean end
@@ -257,8 +260,12 @@ def validate(
     loss_func: LossFunc,
     cb_handler: CallbackHandler | None = None,
     metrics: list | Metrics | None = None,
+    batch_fn: Callable[[Any], Any] | None = None,
 ) -> list[torch.Tensor]:
     """Returns ``[valid_loss, *metrics]`` over ``dl`` as device tensors.
+
+    ``batch_fn`` turns each batch of ``dl`` into ``(x, y)``, as
+    ``DataBunch(batch_fn=...)`` does in ``fit``.
 
     The loss is averaged over samples (weighted by batch size), so a ragged
     last batch counts exactly; metrics are accumulated on the device. When
@@ -277,7 +284,7 @@ def validate(
     metrics.reset()
     losses, sizes = [], []  # summed once at the end: cheaper than per batch
     with evaluating(model):
-        for xb, yb in batches(dl, device, "valid_dl"):
+        for xb, yb in batches(dl, device, "valid_dl", batch_fn):
             xb, yb = cb_handler.on_batch_begin(xb, yb, train=False)
             loss = loss_batch(model, xb, yb, loss_func, None, cb_handler)
             losses.append(loss)
@@ -324,10 +331,16 @@ class DataBunch:
         valid_dl: the same for validation, or None to skip validation.
         device: where the ``Learner`` puts the model; None picks CUDA when
             available, else the CPU. ``fit`` moves batches to the model's device.
+        batch_fn: turns each batch the loaders yield into ``(x, y)`` (or
+            inputs only); for loaders of another format (a DALI iterator's
+            batch objects, a dict). Applied to every batch of every epoch,
+            training and validation, before the batch moves to the device.
 
     Example:
         >>> data = DataBunch(DataLoader(train_ds, 64, shuffle=True),
         ...                  DataLoader(valid_ds, 128))
+        >>> dali = DataBunch(train_it, valid_it,
+        ...                  batch_fn=lambda b: (b[0]["data"], b[0]["label"]))
     """
 
     def __init__(
@@ -335,7 +348,16 @@ class DataBunch:
         train_dl: Iterable,
         valid_dl: Iterable | None = None,
         device: torch.device | str | None = None,
+        batch_fn: Callable[[Any], Any] | None = None,
     ) -> None:
+        if batch_fn is not None and not callable(batch_fn):
+            raise TypeError(
+                f"DataBunch: batch_fn must be a function or None; got "
+                f"{batch_fn!r} ({type(batch_fn).__name__}). Fix: a function of one "
+                "loader batch that returns (x, y), e.g. "
+                "batch_fn=lambda b: (b.data[0], b.label[0])."
+            )
+        self.batch_fn = batch_fn
         # Either may be None (inference only needs valid_dl); fit checks
         # train_dl before training.
         for name, dl in (("train_dl", train_dl), ("valid_dl", valid_dl)):
@@ -397,12 +419,20 @@ def to_device(x: Any, device: torch.device) -> Any:
     return map_tensors(move, x)
 
 
-def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tuple]:
+def batches(
+    dl: Iterable,
+    device: torch.device,
+    name: str = "dl",
+    batch_fn: Callable[[Any], Any] | None = None,
+) -> Iterator[tuple]:
     """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their
     form; a batch of inputs only (``(x,)`` or a tensor) comes as ``(x, ())``:
-    no targets, so ``loss_func(output)``."""
+    no targets, so ``loss_func(output)``. ``batch_fn`` first turns each
+    batch of ``dl`` into one of those."""
     n = 0
     for batch in dl:
+        if batch_fn is not None:
+            batch = _adapted(batch_fn, batch, name)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             x, y = batch
         else:
@@ -422,6 +452,23 @@ def batches(dl: Iterable, device: torch.device, name: str = "dl") -> Iterator[tu
             f"{name} yielded no batches; fitlib needs at least one."
             + (one_shot_note(dl) or " Fix: check the dataset's length.")
         )
+
+
+def _adapted(batch_fn: Callable[[Any], Any], batch: Any, name: str) -> Any:
+    """``batch_fn(batch)``, refused unless it is a batch fitlib takes."""
+    try:
+        new = batch_fn(batch)
+    except Exception as e:
+        reraise(e, f"batch_fn {name_of(batch_fn)} failed on a batch of {name}: "
+                f"{describe(batch)}.")  # fmt: skip
+    pair = isinstance(new, (tuple, list)) and len(new) in (1, 2)
+    if not (pair or isinstance(new, torch.Tensor)):
+        raise TypeError(
+            f"batch_fn {name_of(batch_fn)} returned {describe(new)} for a batch of "
+            f"{name}; it must return (x, y), or inputs only: (x,) or a tensor. "
+            "Fix: e.g. return (batch.data[0], batch.label[0])."
+        )
+    return new
 
 
 def inputs_only(batch: Any, name: str = "dl") -> Any:

@@ -333,7 +333,8 @@ class Learner:
         one host transfer."""
         dl, handler, metrics = self._loader(dl), CallbackHandler(), fm.Metrics(
             self.metrics)  # fmt: skip
-        values = validate(self.model, dl, self.loss_func, handler, metrics)
+        batch_fn = getattr(self.data, "batch_fn", None)
+        values = validate(self.model, dl, self.loss_func, handler, metrics, batch_fn)
         record = handler.tally.record(0, values, metrics.names, math.nan)
         names = ["valid_loss", *metrics.names]
         names += [f"valid_{p}" for p in handler.tally.part_names]
@@ -357,8 +358,9 @@ class Learner:
         """
         collect = _Collect()  # validate is the one inference loop
         validate(
-            self.model, self._loader(dl), self.loss_func, CallbackHandler([collect])
-        )
+            self.model, self._loader(dl), self.loss_func, CallbackHandler([collect]),
+            batch_fn=getattr(self.data, "batch_fn", None),
+        )  # fmt: skip
         preds = join(collect.outputs)
         preds = activation(preds) if activation is not None else preds
         targets = join(collect.targets) if collect.targets else None

@@ -322,3 +322,72 @@ def test_torchmetrics_pointed_at_one_head():
     with torch.no_grad():
         cls, _ = learn.model.eval()(x)
     assert got == pytest.approx((cls.argmax(1) == y_cls).float().mean().item())
+
+
+# -- loaders of another format ---------------------------------------------------
+class DALIBatch:
+    """A DALI-style batch: lists of tensors in ``data`` and ``label``."""
+
+    def __init__(self, x, y):
+        self.data, self.label = [x], [y]
+
+
+class DALILoader:
+    """Re-iterable, sized, yields ``DALIBatch`` objects (no (x, y) pairs)."""
+
+    def __init__(self, x, y, bs):
+        self.x, self.y, self.bs = x, y, bs
+        self.epochs = 0
+
+    def __len__(self):
+        return -(-len(self.x) // self.bs)
+
+    def __iter__(self):
+        self.epochs += 1
+        for i in range(0, len(self.x), self.bs):
+            yield DALIBatch(self.x[i : i + self.bs], self.y[i : i + self.bs])
+
+
+def dali_data(batch_fn):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    return (
+        x,
+        y,
+        DataBunch(
+            DALILoader(x, y, 8), DALILoader(x, y, 16), device="cpu", batch_fn=batch_fn
+        ),
+    )
+
+
+def test_batch_fn_adapts_a_loader_of_batch_objects_every_epoch():
+    def from_dali(b):
+        return b.data[0], b.label[0]
+
+    x, y, data = dali_data(from_dali)
+    torch.manual_seed(0)
+    learn = Learner(
+        data, nn.Linear(4, 2), F.cross_entropy, metrics=[accuracy], progress=False
+    )
+    history = learn.fit(3, lr=0.1)
+    assert data.train_dl.epochs == 3 and data.valid_dl.epochs == 3
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    with torch.no_grad():
+        want = (learn.model(x).argmax(1) == y).double().mean().item()
+    assert history[-1]["accuracy"] == pytest.approx(want)
+    preds, targets = learn.get_preds()  # the inference loop adapts too
+    assert preds.shape == (40, 2) and torch.equal(targets, y)
+    assert learn.validate()["accuracy"] == pytest.approx(want)
+
+
+def test_batch_fn_returning_something_else_says_what_it_returned():
+    _, _, data = dali_data(lambda b: b.data[0].tolist())
+    learn = Learner(data, nn.Linear(4, 2), F.cross_entropy, progress=False)
+    with pytest.raises(
+        TypeError,
+        match=r"<lambda> returned \[\[float.*8 items\] for a batch of train_dl.*\(x, y",
+    ):
+        learn.fit(1, lr=0.1)
+    with pytest.raises(TypeError, match=r"batch_fn must be a function or None; got 3"):
+        DataBunch([], None, batch_fn=3)
