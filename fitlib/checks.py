@@ -164,10 +164,11 @@ def check_model(model: Any, loss_func: Any) -> None:
             f"model must be a torch.nn.Module; got {type(model).__name__}. Fix: "
             "wrap the function in an nn.Module whose forward calls it."
         )
-    if not callable(loss_func):
+    if loss_func is not None and not callable(loss_func):
         raise TypeError(
-            f"loss_func must be callable as loss_func(output, *targets); got "
-            f"{loss_func!r}. Fix: pass e.g. torch.nn.functional.cross_entropy."
+            f"loss_func must be callable as loss_func(output, *targets), or None "
+            f"for a model that computes its own loss; got {loss_func!r}. Fix: "
+            "pass e.g. torch.nn.functional.cross_entropy."
         )
     if isinstance(loss_func, type) and issubclass(loss_func, nn.Module):
         # Calling the class would build a module from (output, targets).
@@ -507,6 +508,11 @@ def explain_model_error(e: Exception, model: nn.Module, xb: Any) -> NoReturn:
             "or torch.tensor(..., dtype=torch.float32) in the dataset), or the "
             f"model float64 (model.double()).\nIt said: {e}"
         ) from e
+    if isinstance(xb, dict):  # a dict batch is taken as the model's inputs
+        given += (
+            f", as model(**batch) with the keys {list(xb)}. If the batch holds "
+            f"inputs and targets, {regroup_fix(xb)}"
+        )
     add_note(e, given)
     raise e
 

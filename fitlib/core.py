@@ -36,7 +36,7 @@ from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size, first_tensor, to_floats  # noqa: F401 (here before)
 from fitlib.structure import map_tensors
 
-LossFunc = Callable[..., torch.Tensor]
+LossFunc = Callable[..., torch.Tensor] | None  # None: the model computes it
 # The first-batch checks of the loss, in training and in validation.
 _LOSS_CHECKS = {False: ("loss", True), True: ("loss", False)}
 
@@ -66,8 +66,9 @@ def fit(
         loss_func: called as ``loss_func(output, *targets)``; returns a scalar,
             or a dict with the scalar ``"loss"`` (what ``backward`` uses) and
             named scalar parts, each averaged over the epoch in the record
-            (``train_<part>``, ``valid_<part>``).
-        opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one).
+            (``train_<part>``, ``valid_<part>``). None for a model that
+            computes its own loss: ``output.loss`` or ``output["loss"]``.
+        opt: an ``HPOptimizer, or a torch optimizer (wrapped in one).
         data: an object with ``train_dl`` and optionally ``valid_dl``.
         callbacks: ``Callback`` instances, run in ``order``.
         metrics: computed over the validation set each epoch.
@@ -436,7 +437,7 @@ def batches(
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             x, y = batch
         else:
-            x, y = inputs_only(batch, name), ()
+            x, y = unpaired(batch, name)
         # to_device's common case inline (this runs per step): tensors there.
         if type(x) is not torch.Tensor or x.device != device:
             x = to_device(x, device)
@@ -471,18 +472,24 @@ def _adapted(batch_fn: Callable[[Any], Any], batch: Any, name: str) -> Any:
     return new
 
 
-def inputs_only(batch: Any, name: str = "dl") -> Any:
-    """The inputs of a batch without targets: ``(x,)`` or a tensor ``x``
-    (an autoencoder's, a GAN's); anything else is refused."""
+def unpaired(batch: Any, name: str = "dl") -> tuple[Any, Any]:
+    """``(x, y)`` of a batch that is no pair: inputs only, ``(x,)`` or a
+    tensor (an autoencoder's, a GAN's), with no targets (``()``); or a dict of
+    inputs (``model(**batch)``, as ``transformers``' collators make them),
+    whose ``"labels"``, if any, are also the targets. Anything else is
+    refused."""
     if isinstance(batch, torch.Tensor):
-        return batch
+        return batch, ()
     if isinstance(batch, (tuple, list)) and len(batch) == 1:
-        return batch[0]
+        return batch[0], ()
+    if isinstance(batch, dict) and batch:
+        labels = batch.get("labels")
+        return batch, () if labels is None else labels
     raise TypeError(
         f"{name} yielded a batch of {describe(batch)}; fitlib needs each batch "
         "to be an (x, y) pair (x: inputs, y: targets; either may be a tuple of "
-        "tensors), or inputs only: (x,) or a tensor, the loss then called as "
-        f"loss_func(output). Fix: {regroup_fix(batch)}"
+        "tensors), or inputs only: (x,), a tensor or a dict of inputs, the "
+        f"loss then called as loss_func(output). Fix: {regroup_fix(batch)}"
     )
 
 
@@ -513,6 +520,8 @@ def call_model(model: nn.Module, xb: Any) -> Any:
 def _compute_loss(
     loss_func: LossFunc, out: Any, yb: Any, cb_handler: CallbackHandler
 ) -> torch.Tensor:
+    if loss_func is None:  # the model computed its loss
+        return model_loss(out)
     try:
         # as_tuple, inline for the common case (this runs per step)
         loss = (
@@ -561,6 +570,26 @@ def _loss_parts(loss_func: LossFunc, out: dict) -> tuple[Any, dict]:
             )
         parts[str(name)] = value.detach().reshape(())
     return out["loss"], parts
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``out.loss`` or ``out["loss"]`` (what
+    ``loss_func=None`` trains on)."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return loss
+    found = (
+        f"its loss is {describe(loss)}" if loss is not None
+        else f"it returned {describe(out)}, with no loss"
+    )
+    raise ValueError(
+        f"loss_func=None trains on the loss the model computes (output.loss or "
+        f'output["loss"], a scalar), but {found}. Fix: put the targets in the '
+        "batch where the model computes its loss from them (a 'labels' key for "
+        "transformers' models), or pass a loss_func."
+    )
 
 
 def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:

@@ -119,7 +119,10 @@ class Learner:
         data: a ``DataBunch`` (anything with ``train_dl``/``valid_dl``); the
             model moves to ``data.device`` when it has one.
         model: the model to train.
-        loss_func: called as ``loss_func(output, *targets)``.
+        loss_func: called as ``loss_func(output, *targets)``; None (and no
+            ``data.loss_func``) for a model that computes its own loss
+            (``output.loss`` or ``output["loss"]``, as ``transformers``'
+            models do when the batch holds ``labels``).
         opt_func: the torch optimizer class.
         metrics: computed on the validation set each epoch; None picks a
             default from the loss (accuracy for cross-entropy), [] none.
@@ -792,9 +795,11 @@ def _is_single_item(x: Any, data: Any) -> bool:
     """Whether ``x`` lacks the batch dimension, judged from a dataset item."""
     dl = data.valid_dl if getattr(data, "valid_dl", None) is not None else data.train_dl
     try:
-        item = first_tensor(dl.dataset[0][0])
+        item = dl.dataset[0]
     except (AttributeError, TypeError, IndexError, KeyError, NotImplementedError):
         return False  # no map-style dataset to compare with: x is taken as a batch
+    # An (x, y) pair's inputs, or inputs only: a tensor, (x,), a dict of inputs.
+    item = first_tensor(item[0] if isinstance(item, (tuple, list)) else item)
     first = first_tensor(x)
     return first is not None and item is not None and first.ndim == item.ndim
 

@@ -208,7 +208,11 @@ def test_learner_needs_data_with_train_dl_and_a_loss(tmp_path):
     with pytest.raises(TypeError, match="train_dl attribute"):
         Learner([1, 2], make_model(), F.cross_entropy)
     with pytest.raises(TypeError, match="loss_func must be callable"):
-        Learner(make_data(), make_model())
+        Learner(make_data(), make_model(), "cross_entropy")
+    # No loss_func: the model's own loss, which a plain model has not.
+    learn = Learner(make_data(), make_model(), progress=False)
+    with pytest.raises(ValueError, match=r"loss_func=None.*no loss.*pass a loss_func"):
+        learn.fit(1)
 
 
 def test_progress_bar_is_on_by_default_and_easy_to_turn_off(tmp_path):

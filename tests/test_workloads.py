@@ -137,7 +137,7 @@ def test_a_batch_of_three_is_refused_with_the_inputs_only_forms_named():
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), 0.1)
     with pytest.raises(
-        TypeError, match=r"(?s)inputs only: \(x,\) or a tensor.*b\[1:\]"
+        TypeError, match=r"(?s)inputs only: \(x,\), a tensor or a dict.*b\[1:\]"
     ):
         fit(1, model, F.mse_loss, opt, DataBunch(dl, None, device="cpu"))
 

@@ -240,22 +240,36 @@ class Metrics:
                 _reraise(name, where, e)
 
     def check(self, output: Tensor, targets: tuple) -> None:
-        """Each metric's ``check_inputs`` on a first batch (may read the device)."""
-        for name, m in zip(self.names, self.metrics, strict=True):
+        """Each metric's ``check_inputs`` on a first batch (may read the device).
+
+        fitlib's metrics given a structured output score its ``logits`` part
+        when it has one (``transformers``' outputs); any other structure needs
+        a ``Part``.
+        """
+        for i, (name, m) in enumerate(zip(self.names, self.metrics, strict=True)):
             if not isinstance(output, Tensor) and _scores_tensors(m):
                 have = parts(output)
+                if "logits" in have:
+                    m = self.metrics[i] = Part(m, output="logits")
+                    m.name = name
+                    self._check_one(name, m, output, targets)
+                    continue
                 raise TypeError(
                     f"{name} scores a tensor, but the model's output is "
                     f"{describe(output)}. Fix: point it at one part, e.g. "
                     f"Part({name}, output={have[0]!r}) (the parts are {have}); "
                     "and at one target with target=..."
                 )
-            try:
-                m.check_inputs(output, *targets)
-            except (TypeError, ValueError):
-                raise  # already says what to do
-            except Exception as e:
-                _reraise(name, f"on output {describe(output)}", e)
+            self._check_one(name, m, output, targets)
+
+    @staticmethod
+    def _check_one(name: str, m: Metric, output: Any, targets: tuple) -> None:
+        try:
+            m.check_inputs(output, *targets)
+        except (TypeError, ValueError):
+            raise  # already says what to do
+        except Exception as e:
+            _reraise(name, f"on output {describe(output)}", e)
 
     def compute(self) -> list[Tensor]:
         values = []
