@@ -581,7 +581,8 @@ def model_loss(out: Any) -> torch.Tensor:
     if isinstance(loss, torch.Tensor) and loss.ndim == 0:
         return loss
     found = (
-        f"its loss is {describe(loss)}" if loss is not None
+        f"its loss is {describe(loss)}"
+        if loss is not None
         else f"it returned {describe(out)}, with no loss"
     )
     raise ValueError(

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fitlib import DataBunch
+from fitlib import Callback, DataBunch
 
 
 def make_dataset(n: int = 100, d: int = 8, n_classes: int = 3, seed: int = 0):
@@ -57,3 +57,15 @@ def scripted_record(
         tally.add_batch(torch.tensor(float(loss)), size, True, None)
     record = tally.record(epoch, last_metrics, list(names), lr)
     return record if seconds is None else record | {"time": seconds}
+
+
+class Crash(Callback):
+    """Raises ``RuntimeError("crash")`` after training batch ``at`` (an
+    iteration number): a run killed part way, to resume."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_batch_end(self, train: bool, iteration: int) -> None:
+        if train and iteration == self.at:
+            raise RuntimeError("crash")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_data, make_model
+from helpers import Crash, make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, HPOptimizer, Learner, fit
@@ -414,15 +414,6 @@ class StatefulGradNorm(GradNorm):
     def on_epoch_begin(self, num_batch):
         if num_batch == 0:  # not an epoch resumed part way
             super().on_epoch_begin()
-
-
-class Crash(Callback):
-    def __init__(self, at):
-        self.at = at
-
-    def on_batch_end(self, train, iteration):
-        if train and iteration == self.at:
-            raise RuntimeError("crash")
 
 
 def run(tmp_path, crash_at=None, epochs=3):

@@ -4,10 +4,11 @@ on dict batches whose ``labels`` sit among the inputs."""
 
 import pytest
 import torch
+from helpers import Crash
 from torch.utils.data import DataLoader
 from transformers import BertConfig, BertForSequenceClassification
 
-from fitlib import Callback, DataBunch, Learner
+from fitlib import DataBunch, Learner
 from fitlib.callbacks import Checkpoint
 from fitlib.metrics import accuracy
 
@@ -80,15 +81,6 @@ def test_a_fine_tuned_model_saves_loads_and_predicts_the_same(tmp_path):
     item = examples(1, 2)[0]
     a, b = learn.predict(item), other.predict(item)
     assert a.logits.shape == (2,) and torch.equal(a.logits, b.logits)
-
-
-class Crash(Callback):
-    def __init__(self, at):
-        self.at = at
-
-    def on_batch_end(self, iteration, train):
-        if train and iteration == self.at:
-            raise RuntimeError("crash")
 
 
 def test_a_resumed_fine_tuning_ends_bit_identical(tmp_path):

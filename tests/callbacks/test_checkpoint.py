@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import Crash, make_dataset
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
@@ -47,17 +47,6 @@ def learner(callbacks=(), model=None, workers=0, seed=0, **kwargs):
         callbacks=list(callbacks),
         **{"opt_func": torch.optim.SGD, **kwargs},
     )
-
-
-class Crash(Callback):
-    """Raises after training batch ``at`` (an iteration number)."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def on_batch_end(self, iteration, train):
-        if train and iteration == self.at:
-            raise RuntimeError("crash")
 
 
 def same_run(a, b):
