@@ -1,6 +1,6 @@
 """fitlib: train PyTorch models with one small loop; everything else is a callback."""
 
-from fitlib import metrics
+from fitlib import metrics, sequences
 from fitlib.callback import Callback, CallbackHandler
 from fitlib.core import DataBunch, fit, fit_states, loss_batch, validate
 from fitlib.core import iter_fit as iter_fit  # deprecated: the former fit_states
@@ -18,5 +18,6 @@ __all__ = [
     "fit_states",
     "loss_batch",
     "metrics",
+    "sequences",
     "validate",
 ]
