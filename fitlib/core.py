@@ -463,10 +463,11 @@ def _adapted(batch_fn: Callable[[Any], Any], batch: Any, name: str) -> Any:
         reraise(e, f"batch_fn {name_of(batch_fn)} failed on a batch of {name}: "
                 f"{describe(batch)}.")  # fmt: skip
     pair = isinstance(new, (tuple, list)) and len(new) in (1, 2)
-    if not (pair or isinstance(new, torch.Tensor)):
+    if not (pair or isinstance(new, (torch.Tensor, dict))):
         raise TypeError(
             f"batch_fn {name_of(batch_fn)} returned {describe(new)} for a batch of "
-            f"{name}; it must return (x, y), or inputs only: (x,) or a tensor. "
+            f"{name}; it must return (x, y), or inputs only: (x,), a tensor or a "
+            "dict of inputs. "
             "Fix: e.g. return (batch.data[0], batch.label[0])."
         )
     return new

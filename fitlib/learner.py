@@ -355,13 +355,15 @@ class Learner:
         padded to the largest: float with nan, int with -100 (what torch's
         losses ignore), bool with False; a 0-dim tensor (one value per batch)
         gives one value per batch. ``activation`` (e.g.
-        ``partial(torch.softmax, dim=-1)``) is applied to the joined outputs.
-        Targets are the first target of each batch, joined the same way (None
-        for batches of inputs only).
+        ``partial(torch.softmax, dim=-1)``) is applied to the joined outputs
+        (the whole structure: pick a part first, e.g. ``lambda o: o[0]``).
+        Targets are joined the same way: a tensor, or a tuple for several
+        (``(x, (y1, y2))`` batches); None for batches of inputs only (a test
+        set without labels: no loss is computed).
         """
         collect = _Collect()  # validate is the one inference loop
         validate(
-            self.model, self._loader(dl), self.loss_func, CallbackHandler([collect]),
+            self.model, self._loader(dl), _no_loss, CallbackHandler([collect]),
             batch_fn=getattr(self.data, "batch_fn", None),
         )  # fmt: skip
         preds = join(collect.outputs)
@@ -794,18 +796,22 @@ def _split_groups(model: nn.Module, groups: Sequence[Any] | None) -> list[list]:
 def _is_single_item(x: Any, data: Any) -> bool:
     """Whether ``x`` lacks the batch dimension, judged from a dataset item."""
     dl = data.valid_dl if getattr(data, "valid_dl", None) is not None else data.train_dl
-    try:
-        item = dl.dataset[0]
-    except (AttributeError, TypeError, IndexError, KeyError, NotImplementedError):
-        return False  # no map-style dataset to compare with: x is taken as a batch
-    # An (x, y) pair's inputs, or inputs only: a tensor, (x,), a dict of inputs.
-    item = first_tensor(item[0] if isinstance(item, (tuple, list)) else item)
     first = first_tensor(x)
-    return first is not None and item is not None and first.ndim == item.ndim
+    try:
+        item, batched = dl.dataset[0], 0
+    except (AttributeError, TypeError, IndexError, KeyError, NotImplementedError):
+        if not isinstance(dl, (list, tuple)) or not dl:
+            return False  # nothing to compare with without drawing: a batch
+        item, batched = dl[0], 1  # a list of batches: one has a batch dim
+    # An (x, y) pair's inputs, or inputs only: a tensor, (x,), a dict of inputs.
+    if isinstance(item, (tuple, list)) and len(item) in (1, 2):
+        item = item[0]
+    item = first_tensor(item)
+    return first is not None and item is not None and first.ndim == item.ndim - batched
 
 
 class _Collect(Callback):
-    """Keeps each batch's output and first target, on the device."""
+    """Keeps each batch's output and targets, on the device."""
 
     def __init__(self) -> None:
         self.outputs: list[Any] = []
@@ -815,7 +821,13 @@ class _Collect(Callback):
         self.outputs.append(last_output)
         targets = as_tuple(last_target)
         if targets:  # batches of inputs only have none
-            self.targets.append(targets[0])
+            self.targets.append(targets[0] if len(targets) == 1 else targets)
+
+
+def _no_loss(out: Any, *targets: Any) -> torch.Tensor:
+    """``get_preds`` needs no loss (and a test set may have no targets)."""
+    t = first_tensor(out)
+    return torch.zeros((), device=None if t is None else t.device)
 
 
 def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> None:

@@ -82,7 +82,7 @@ def pick(x: Any, path: Any, what: str) -> Any:
                 if children
                 else f"it is {type(x).__name__}, with no parts"
             )
-            raise KeyError(f"{what} has no part {key!r}: {have}.")
+            raise KeyError(f"there is no part {key!r} in {what}: {have}.")
         x = found[key]
     return x
 

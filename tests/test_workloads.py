@@ -238,7 +238,7 @@ def test_get_preds_and_predict_join_dict_and_dataclass_outputs(kind):
         boxes: torch.Tensor
 
     make = (lambda c, b: {"logits": c, "boxes": b}) if kind == "dict" else Output
-    x, y_cls, _, data = detection_data()
+    x, y_cls, y_box, data = detection_data()
     model = Detector(out=make)
 
     def loss(out, y_cls, y_box):
@@ -253,7 +253,7 @@ def test_get_preds_and_predict_join_dict_and_dataclass_outputs(kind):
     get = (lambda o, k: o[k]) if kind == "dict" else getattr
     assert type(preds) is type(want)
     assert torch.allclose(get(preds, "boxes"), get(want, "boxes"))
-    assert torch.equal(targets, y_cls)  # the first target of each batch
+    assert torch.equal(targets[0], y_cls) and torch.equal(targets[1], y_box)
     one = learn.predict(x[0])
     assert get(one, "logits").shape == (3,)
 
@@ -301,7 +301,10 @@ def test_a_metric_on_a_structured_output_says_how_to_point_it_at_a_part():
     ):
         learn.validate()
     learn.metrics = [Part(accuracy, output="logits")]
-    with pytest.raises(ValueError, match=r"no part 'logits': its parts are \[0, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"no part 'logits' in accuracy: the output: its parts are \[0, 1\]",
+    ):
         learn.validate()
 
 
@@ -391,3 +394,52 @@ def test_batch_fn_returning_something_else_says_what_it_returned():
         learn.fit(1, lr=0.1)
     with pytest.raises(TypeError, match=r"batch_fn must be a function or None; got 3"):
         DataBunch([], None, batch_fn=3)
+
+
+def test_get_preds_on_a_test_set_without_labels_needs_no_loss():
+    x = detection_data()[0]
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    train = DataLoader(TensorDataset(x, x[:, :3].argmax(1)), 8)
+    learn = Learner(
+        DataBunch(train, None, device="cpu"), model, F.cross_entropy, progress=False
+    )
+    preds, targets = learn.get_preds(dl=DataLoader(TensorDataset(x), 16))
+    assert targets is None
+    with torch.no_grad():
+        assert torch.allclose(preds, model(x))
+
+
+def test_predict_tells_one_item_from_a_batch_with_loaders_that_are_lists():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 2))
+    batches = [(torch.randn(4, 2, 3), torch.zeros(4, dtype=torch.long))]
+    learn = Learner(
+        DataBunch(batches, batches, device="cpu"),
+        model,
+        F.cross_entropy,
+        progress=False,
+    )
+    item = batches[0][0][1]
+    with torch.no_grad():
+        want = model(item[None])[0]
+    assert torch.allclose(learn.predict(item), want)
+    assert learn.predict(batches[0][0]).shape == (4, 2)
+
+
+def test_a_metric_of_the_output_alone_on_inputs_only_batches():
+    x, train_dl, valid_dl = autoencoder_loaders(as_tuple=True)
+
+    def code_size(out):  # a user's metric of a structured output, no targets
+        return out[0].abs().mean()
+
+    learn = Learner(
+        DataBunch(train_dl, valid_dl, device="cpu"),
+        AutoEncoder(),
+        reconstruction,
+        metrics=[code_size],
+        progress=False,
+    )
+    with torch.no_grad():
+        want = learn.model.enc(x).abs().mean().item()
+    assert learn.validate()["code_size"] == pytest.approx(want, rel=1e-5)

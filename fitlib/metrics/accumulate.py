@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fitlib.errors import name_of
+from fitlib.structure import tensors
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -147,8 +148,8 @@ class AvgMetric(Metric):
             check(self.name, output, *targets)
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
-        ref = targets[0] if targets and targets[0].ndim > 0 else output
-        n = ref.shape[0]
+        ref = next((t for _, t in tensors((targets, output)) if t.ndim), None)
+        n = 1 if ref is None else ref.shape[0]
         if n == 0:  # an empty batch's mean is nan and would poison the total
             return
         val = self.func(output, *targets)

@@ -257,8 +257,12 @@ class Metrics:
                 raise TypeError(
                     f"{name} scores a tensor, but the model's output is "
                     f"{describe(output)}. Fix: point it at one part, e.g. "
-                    f"Part({name}, output={have[0]!r}) (the parts are {have}); "
-                    "and at one target with target=..."
+                    f"Part({name}, output={have[0]!r}) (the parts are {have})"
+                    + (
+                        "; and at one target with target=..."
+                        if len(targets) > 1
+                        else "."
+                    )
                 )
             self._check_one(name, m, output, targets)
 

@@ -68,6 +68,17 @@ def find_class_dim(out: Tensor, y: Tensor, name: str, dim: int | None = None) ->
         )
     if first:
         return 1
+    if out.ndim >= 3 and out.shape == y.shape and out.shape[1] == 1:
+        return 1  # one logit channel and masks alike (binary_cross_entropy)
+    same_places = out.shape[:1] + out.shape[2:] == y.shape[:1] + y.shape[2:]
+    if out.ndim >= 3 and y.ndim == out.ndim and y.shape[1] == 1 and same_places:
+        raise ValueError(
+            f"{name}: the targets, of shape {tuple(y.shape)}, keep a channel dim "
+            f"of 1 that the output, of shape {tuple(out.shape)}, holds its class "
+            "scores in (as cross_entropy wants them too). Fix: give masks of "
+            f"shape {(y.shape[0], *y.shape[2:])}, e.g. y.squeeze(1) in the "
+            "dataset or in DataBunch(batch_fn=...)."
+        )
     if not last and out.ndim >= 3 and y.ndim == out.ndim - 1:
         spatial = (y.shape[0], *out.shape[2:])
         raise ValueError(
@@ -231,15 +242,22 @@ def check_class_targets(
     if outside.any():
         example = labels[outside][0].item()
         what = "one logit column: classes 0 and 1" if n == 2 else f"{n} classes"
-        pad = (
-            f"padding such as -100? pass ignore_index=-100 to {name}"
-            if ignore_index is None
-            else f"{name} ignores only {ignore_index}"
-        )
+        if ignore_index is None and example == int(example):
+            leave_out = (
+                f"if {example:g} marks padding or unlabelled targets, leave it "
+                f"out with ignore_index={example:g}: partial(accuracy, "
+                f"ignore_index={example:g}) for a function, MeanIoU(ignore_index="
+                f"{example:g}) and the like for a metric class (TokenAccuracy() "
+                "ignores -100)"
+            )
+        else:
+            leave_out = f"{name} ignores only {ignore_index}"
         raise ValueError(
             f"{name} scores class predictions over the output's {where} "
-            f"({what}), but the targets hold {example:g}, outside it (a "
-            f"regression? classes in another dimension? {pad}). {fix}"
+            f"({what}), but the targets hold {example:g}, outside it. Fix: "
+            f"{leave_out}; if the classes sit in another dimension, pass "
+            f"class_dim; for a regression, take {name} out of the metrics and use "
+            "mse, mae, RMSE() or R2Score()."
         )
 
 

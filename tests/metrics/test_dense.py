@@ -196,3 +196,26 @@ def test_every_target_ignored_gives_nan_not_an_error(gen):
     m = TokenAccuracy()
     m.update(out, torch.full_like(y, PAD))
     assert torch.isnan(m.compute())
+
+
+def test_masks_with_a_channel_dim_are_told_to_drop_it(gen):
+    out, y = segmentation(gen)
+    with pytest.raises(
+        ValueError,
+        match=r"\(9, 1, 5, 6\), keep a channel dim.*\(9, 5, 6\).*squeeze\(1\)",
+    ):
+        accuracy(out, y[:, None])
+
+
+def test_one_logit_channel_scores_masks_of_the_same_shape(gen):
+    out = torch.randn(4, 1, 3, 3, generator=gen)
+    y = (torch.rand(4, 1, 3, 3, generator=gen) > 0.5).float()  # BCE's masks
+    want = ((out > 0).float() == y).float().mean().item()
+    assert run([accuracy, MeanIoU()], out, y, (4,))[0] == pytest.approx(want)
+
+
+def test_an_unlabelled_value_in_the_masks_suggests_ignoring_that_value(gen):
+    out, y = segmentation(gen, ignore=255)
+    for metric in (accuracy, MeanIoU(), Dice()):
+        with pytest.raises(ValueError, match=r"hold 255.*Fix: .*ignore_index=255"):
+            Metrics([metric]).check(out, (y,))
