@@ -68,7 +68,7 @@ def fit(
             named scalar parts, each averaged over the epoch in the record
             (``train_<part>``, ``valid_<part>``). None for a model that
             computes its own loss: ``output.loss`` or ``output["loss"]``.
-        opt: an ``HPOptimizer, or a torch optimizer (wrapped in one).
+        opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one).
         data: an object with ``train_dl`` and optionally ``valid_dl``.
         callbacks: ``Callback`` instances, run in ``order``.
         metrics: computed over the validation set each epoch.
@@ -428,8 +428,9 @@ def batches(
 ) -> Iterator[tuple]:
     """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their
     form; a batch of inputs only (``(x,)`` or a tensor) comes as ``(x, ())``:
-    no targets, so ``loss_func(output)``. ``batch_fn`` first turns each
-    batch of ``dl`` into one of those."""
+    no targets, so ``loss_func(output)``; a dict batch as ``(batch,
+    batch["labels"])`` (or ``(batch, ())``), see ``unpaired``. ``batch_fn``
+    first turns each batch of ``dl`` into one of those."""
     n = 0
     for batch in dl:
         if batch_fn is not None:

@@ -376,8 +376,9 @@ class Learner:
         """The model's output for one item or a batch of items, on the CPU.
 
         One item (``x`` without the batch dim, judged from the dataset's first
-        item) gets it added, and every tensor of the output with a batch dim
-        loses it again: a tuple, dict or dataclass output keeps its structure.
+        item, or the first batch of a loader that is a list) gets it added,
+        and every tensor of the output with a batch dim loses it again: a
+        tuple, dict or dataclass output keeps its structure.
         """
         device = model_device(self.model)
         single = _is_single_item(x, self.data)

@@ -254,10 +254,11 @@ class Metrics:
                     m.name = name
                     self._check_one(name, m, output, targets)
                     continue
+                example = have[0] if have else "..."
                 raise TypeError(
                     f"{name} scores a tensor, but the model's output is "
                     f"{describe(output)}. Fix: point it at one part, e.g. "
-                    f"Part({name}, output={have[0]!r}) (the parts are {have})"
+                    f"Part({name}, output={example!r}) (the parts are {have})"
                     + (
                         "; and at one target with target=..."
                         if len(targets) > 1
