@@ -602,4 +602,11 @@ def _loss_mismatch(loss_func: LossFunc, out: Any, yb: Any) -> str:
         f"{describe(as_tuple(yb))}. If those do not fit what the loss expects, "
         "fix the model's output (e.g. one column per class for cross_entropy, "
         "the target's shape for mse_loss) or pass a matching loss_func."
+        + (
+            " The batch has no targets (inputs only: (x,), a tensor, or a dict "
+            "without 'labels'): if it should, make the dataset (or batch_fn) "
+            "return (x, y)."
+            if as_tuple(yb) == ()
+            else ""
+        )
     )

@@ -443,3 +443,32 @@ def test_a_metric_of_the_output_alone_on_inputs_only_batches():
     with torch.no_grad():
         want = learn.model.enc(x).abs().mean().item()
     assert learn.validate()["code_size"] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_part_of_the_output_with_several_targets_must_name_its_target():
+    from fitlib.metrics import Part
+
+    _, _, _, data = detection_data()
+    learn = Learner(
+        data,
+        Detector(),
+        detection_loss,
+        metrics=[Part(accuracy, output=0)],
+        progress=False,
+    )
+    with pytest.raises(
+        ValueError, match=r"have 2 targets.*Part\(\.\.\., output=0, target=0\)"
+    ):
+        learn.validate()
+
+
+def test_a_loss_that_needs_targets_on_batches_without_them_says_so():
+    _, train_dl, valid_dl = autoencoder_loaders(as_tuple=True)
+    learn = Learner(
+        DataBunch(train_dl, valid_dl, device="cpu"),
+        nn.Linear(6, 6),
+        F.mse_loss,
+        progress=False,
+    )
+    with pytest.raises(TypeError, match=r"The batch has no targets.*return \(x, y\)"):
+        learn.fit(1, lr=0.1)

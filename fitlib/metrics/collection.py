@@ -134,10 +134,16 @@ class Part(Metric):
 
     def check_inputs(self, output: Any, *targets: Any) -> None:
         try:
-            output, targets = self.select(output, targets)
+            output, picked = self.select(output, targets)
         except KeyError as e:
             raise ValueError(e.args[0]) from None
-        self.metric.check_inputs(output, *targets)
+        if self.target is None and len(targets) > 1 and _scores_tensors(self.metric):
+            raise ValueError(
+                f"{self.name}: the batches have {len(targets)} targets, and "
+                f"{self.metric.name} scores one. Fix: say which, e.g. "
+                f"Part(..., output={self.output!r}, target=0)."
+            )
+        self.metric.check_inputs(output, *picked)
 
     def compute(self) -> Tensor:
         return self.metric.compute()

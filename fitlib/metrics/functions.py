@@ -63,8 +63,10 @@ def find_class_dim(out: Tensor, y: Tensor, name: str, dim: int | None = None) ->
         raise ValueError(
             f"{name}: the output, of shape {tuple(out.shape)}, may hold the class "
             f"scores of targets of shape {tuple(y.shape)} in dim 1 or in the last "
-            f"dim. Fix: say which, e.g. {name} with class_dim=1 (channels first) "
-            "or class_dim=-1 (a sequence's (B, T, C))."
+            f"dim. Fix: say which with class_dim: 1 for channels first, -1 for a "
+            f"sequence's (B, T, C); e.g. partial({name}, class_dim=-1) for a "
+            "function, Accuracy(class_dim=-1) or MeanIoU(class_dim=1) for a "
+            "metric class."
         )
     if first:
         return 1

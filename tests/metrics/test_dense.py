@@ -124,7 +124,9 @@ def test_perplexity_is_exp_of_the_whole_set_token_cross_entropy(gen):
 def test_class_dim_says_where_the_classes_are_when_both_dims_fit(gen):
     out = torch.randn(4, 3, 3, generator=gen)  # (B, T, C) or (B, C, T)?
     y = torch.randint(0, 3, (4, 3), generator=gen)
-    with pytest.raises(ValueError, match=r"dim 1 or in the last dim.*class_dim=1"):
+    with pytest.raises(
+        ValueError, match=r"dim 1 or in the last dim.*partial\(accuracy, class_dim=-1\)"
+    ):
         accuracy(out, y)
     last = (out.argmax(-1) == y).float().mean().item()
     first = (out.argmax(1) == y).float().mean().item()
