@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F  # noqa: N812
 from torch.nn.utils.rnn import pad_sequence
 
-from fitlib.metrics.functions import check_index, find_class_dim
+from fitlib.metrics.functions import check_index, class_rows
 
 
 class PadCollate:
@@ -137,6 +137,5 @@ def masked_cross_entropy(
         >>> masked_cross_entropy(torch.zeros(1, 3, 4), torch.tensor([[0, 2, -100]]))
         tensor(1.3863)
     """
-    d = find_class_dim(out, y, "masked_cross_entropy", class_dim)
-    logits = out.movedim(d, -1).reshape(-1, out.shape[d])
-    return F.cross_entropy(logits, y.reshape(-1), ignore_index=ignore_index)
+    logits, t = class_rows(out, y, "masked_cross_entropy", class_dim)
+    return F.cross_entropy(logits, t, ignore_index=ignore_index)

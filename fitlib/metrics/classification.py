@@ -19,7 +19,7 @@ from fitlib.metrics.functions import (
     check_class_targets,
     check_index,
     class_predictions,
-    find_class_dim,
+    class_rows,
 )
 
 
@@ -27,8 +27,11 @@ class _ClassMetric(Metric):
     """A metric of class targets: checks them on a first batch, knowing its
     ``class_dim`` and ``ignore_index``."""
 
-    class_dim: int | None = None
-    ignore_index: int | None = None
+    def __init__(self, class_dim: int | None, ignore_index: int | None) -> None:
+        owner = type(self).__name__
+        self.class_dim = check_index(class_dim, "class_dim", owner, "1")
+        self.ignore_index = check_index(ignore_index, "ignore_index", owner, "-100")
+        super().__init__()
 
     def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
         check_class_targets(
@@ -62,12 +65,9 @@ class Accuracy(_ClassMetric):
     def __init__(
         self, class_dim: int | None = None, ignore_index: int | None = None
     ) -> None:
-        owner = type(self).__name__
-        self.class_dim = check_index(class_dim, "class_dim", owner, "1")
         if ignore_index is None:
             ignore_index = self.default_ignore
-        self.ignore_index = check_index(ignore_index, "ignore_index", owner, "-100")
-        super().__init__()
+        super().__init__(class_dim, ignore_index)
 
     def reset(self) -> None:
         self.hits: Tensor | None = None  # a device count
@@ -151,9 +151,7 @@ class _ConfusionMetric(_ClassMetric):
             allow_none=True,
         )  # fmt: skip
         self.num_classes = num_classes
-        self.class_dim = check_index(class_dim, "class_dim", owner, "1")
-        self.ignore_index = check_index(ignore_index, "ignore_index", owner, "-100")
-        super().__init__()
+        super().__init__(class_dim, ignore_index)
 
     def reset(self) -> None:
         # Flat C*C counts plus one trailing slot for out-of-range targets.
@@ -354,31 +352,19 @@ class Perplexity(_ClassMetric):
     name = "perplexity"
 
     def __init__(self, class_dim: int | None = None, ignore_index: int = -100) -> None:
-        owner = type(self).__name__
-        self.class_dim = check_index(class_dim, "class_dim", owner, "-1")
-        check_index(ignore_index, "ignore_index", owner, "-100")
         if ignore_index is None:
             raise TypeError(
-                f"{owner}: ignore_index must be an int; got None. Fix: e.g. "
-                f"{owner}(ignore_index=-100) (a value no target has)."
+                "Perplexity: ignore_index must be an int; got None. Fix: e.g. "
+                "Perplexity(ignore_index=-100) (a value no target has)."
             )
-        self.ignore_index = ignore_index
-        super().__init__()
+        super().__init__(class_dim, ignore_index)
 
     def reset(self) -> None:
         self.total: Tensor | None = None  # summed cross-entropy, on the device
         self.count: Tensor | None = None  # tokens counted
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
-        y = targets[0]
-        if output.ndim < 2:
-            raise ValueError(
-                f"{self.name}: needs class scores (logits), got an output of shape "
-                f"{tuple(output.shape)}. Fix: return one score per class."
-            )
-        d = find_class_dim(output, y, self.name, self.class_dim)
-        logits = output.movedim(d, -1).reshape(-1, output.shape[d])
-        t = y.reshape(-1).long()
+        logits, t = class_rows(output, targets[0], self.name, self.class_dim)
         dtype = accumulation_dtype(output.device)
         nll = F.cross_entropy(
             logits.to(dtype), t, ignore_index=self.ignore_index, reduction="sum"

@@ -93,6 +93,20 @@ def find_class_dim(out: Tensor, y: Tensor, name: str, dim: int | None = None) ->
     return out.ndim - 1  # (N, C) with (N, 1) targets: _match reshapes
 
 
+def class_rows(
+    out: Tensor, y: Tensor, name: str, dim: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """The class scores as ``(N, C)`` rows and the targets as ``(N,)`` (long),
+    one row per target element, for a loss over tokens or pixels."""
+    if out.ndim < 2:
+        raise ValueError(
+            f"{name}: needs class scores (logits), got an output of shape "
+            f"{tuple(out.shape)}. Fix: return one score per class."
+        )
+    d = find_class_dim(out, y, name, dim)
+    return out.movedim(d, -1).reshape(-1, out.shape[d]), y.reshape(-1).long()
+
+
 def class_predictions(
     out: Tensor, y: Tensor, name: str, dim: int | None = None
 ) -> tuple[Tensor, int]:
