@@ -1,9 +1,11 @@
 """``ProgressBar``: fastprogress bars over epochs and batches, and a results table;
 ``SweepBar``: one bar over an LR finder's sweep.
 
-Per batch they compare the clock: the smoothed loss is read (a host-device
-sync) only when a bar is redrawn, at most every ``refresh`` seconds of
-wall-clock time, and once at the end of each training loader or sweep. The
+Per batch they compare the clock: the smoothed loss is read only when a bar is
+redrawn, at most every ``refresh`` seconds of wall-clock time, and once at the
+end of each training loader or sweep. On CUDA the epochs' bar reads it without
+a host-device sync: each redraw starts a copy to the host (``HostCopy``) and
+shows the last one that has arrived; only the end of a loader waits for one. The
 table's rows are the epochs' records (``state["record"]``), already read.
 """
 
@@ -19,7 +21,7 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import len_or_none
-from fitlib.record import Record
+from fitlib.record import HostCopy, Record
 
 _NA = "#na#"
 
@@ -78,11 +80,12 @@ class ProgressBar(Callback):
         if epoch:  # a resumed run starts part way
             self.mb.update(epoch)
         self._mb_open = epoch < n_epochs
-        self._last_draw, self._comment = -math.inf, ""
+        self._last_draw, self._comment, self._copy = -math.inf, "", None
 
     def on_epoch_begin(self) -> None:
         """Runs at the start of each epoch."""
         self._smooth: torch.Tensor | None = None
+        self._copy: HostCopy | None = None  # the copy of a redraw, not yet shown
 
     def on_batch_end(
         self,
@@ -137,10 +140,17 @@ class ProgressBar(Callback):
         self._phase, self._n, self._drawn = train, 0, 0
         self.pb.update(0)
 
-    def _draw(self, now: float) -> None:
+    def _draw(self, now: float, last: bool = False) -> None:
         self._last_draw = now
         if self._phase and self._smooth is not None:
-            self._comment = _loss_comment(self._smooth)
+            copy = HostCopy([self._smooth])
+            if last or copy.ready():  # the end of a loader; or not on CUDA
+                self._copy, shown = None, copy
+            else:  # shows the copy of an earlier redraw if it has arrived
+                shown = self._copy if self._copy and self._copy.ready() else None
+                self._copy = copy
+            if shown is not None:
+                self._comment = _loss_comment(shown.get()[0])
             self.pb.comment = self._comment
         self.pb.update(self._n)
         self._drawn = self._n
@@ -149,9 +159,9 @@ class ProgressBar(Callback):
         """Draws the child bar's last state; a full bar closes itself."""
         if self.pb is None:
             return
-        if self.pb.total is None or self._drawn != self._n:
+        if self.pb.total is None or self._drawn != self._n or self._copy:
             self.pb.total = self._n if self.pb.total is None else self.pb.total
-            self._draw(time.perf_counter())
+            self._draw(time.perf_counter(), last=True)
         if self._n < self.pb.total:  # stopped early: fastprogress would wait
             self.pb.on_iter_end()
         self.pb, self._phase = None, None
@@ -250,8 +260,8 @@ def _check_refresh(refresh: Any, owner: str) -> float:
     )  # fmt: skip
 
 
-def _loss_comment(smooth: torch.Tensor) -> str:
-    return f"smooth loss {float(smooth):.4f}"  # the read: one host-device sync
+def _loss_comment(smooth: Any) -> str:
+    return f"smooth loss {float(smooth):.4f}"  # of a tensor: a host-device sync
 
 
 def _draws_bars(bars: bool | None) -> bool:

@@ -1,6 +1,7 @@
 import re
 import time
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, DataBunch, HPOptimizer, fit
 from fitlib.callback import call_hook
+from fitlib.callbacks import progress
 from fitlib.callbacks.lr_finder import LRFinder
 from fitlib.callbacks.progress import ProgressBar, SweepBar
 from fitlib.callbacks.recorder import Recorder
@@ -89,10 +91,8 @@ def test_refresh_of_the_comment_is_paced_by_the_clock(
 ):
     monkeypatch.setattr(fastprogress, "printing", lambda: True)  # as on a terminal
     reads = []
-    original = torch.Tensor.__float__
-    monkeypatch.setattr(
-        torch.Tensor, "__float__", lambda t: reads.append(1) or original(t)
-    )
+    copy = progress.HostCopy  # each read of the loss is a copy to the host
+    monkeypatch.setattr(progress, "HostCopy", lambda ts: reads.append(1) or copy(ts))
     data = SimpleNamespace(train_dl=range(60), valid_dl=None)
     bar = ProgressBar(refresh=0.25, bars=True)
     call_hook(bar, "on_train_begin", n_epochs=1, metrics=Metrics([]), data=data)
@@ -126,6 +126,49 @@ def test_refresh_of_the_comment_is_paced_by_the_clock(
     assert "[42/60" in out and "smooth loss 3.0000" in out
     batch(4.0)
     assert len(reads) == 2
+
+
+class SlowCopy:
+    """A copy to the host that arrives only when the test says (as on CUDA)."""
+
+    arrived: ClassVar[set] = set()
+
+    def __init__(self, scalars):
+        self.value = scalars[0].item()
+
+    def ready(self):
+        return self.value in self.arrived
+
+    def get(self):
+        self.arrived.add(self.value)  # waiting for it: it arrives
+        return [self.value]
+
+
+def test_on_cuda_a_redraw_shows_the_last_copy_that_arrived_and_never_waits(
+    clock, monkeypatch
+):
+    monkeypatch.setattr(progress, "HostCopy", SlowCopy)
+    SlowCopy.arrived = set()
+    data = SimpleNamespace(train_dl=range(4), valid_dl=None)
+    bar = ProgressBar(refresh=0.25, bars=False)
+    call_hook(bar, "on_train_begin", n_epochs=1, metrics=Metrics([]), data=data)
+    call_hook(bar, "on_epoch_begin")
+
+    def batch(loss):
+        clock.now += 0.3  # every batch redraws
+        t = torch.tensor(loss)
+        call_hook(bar, "on_batch_end", train=True, data=data, smooth_loss=t)
+        return bar.pb.comment
+
+    assert batch(1.0) == ""  # its copy has not arrived: nothing shown yet
+    SlowCopy.arrived.add(1.0)
+    assert batch(2.0) == "smooth loss 1.0000"  # the earlier copy, not waited for
+    assert batch(3.0) == "smooth loss 1.0000"  # 2.0 has not arrived
+    assert SlowCopy.arrived == {1.0}  # no redraw waited
+    pb = bar.pb
+    assert batch(4.0) == "smooth loss 1.0000"
+    call_hook(bar, "on_train_end", exception=None)  # the loader's end: it waits
+    assert pb.comment == "smooth loss 4.0000" and 4.0 in SlowCopy.arrived
 
 
 def test_a_resumed_run_starts_the_master_bar_at_its_epoch():
