@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(VENV)/.base: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ lint: $(VENV)/.dev
 
 bench: $(VENV)/.base
 	$(PY) benchmarks/overhead.py --amp
+
+# On a machine with a CUDA GPU: every CUDA test (marked `cuda`), then
+# benchmarks/gpu.py, which writes benchmarks/results/gpu-<device>.md. It runs
+# with the Python that already has torch there (GPU_PYTHON), not .venv; it
+# needs fastprogress importable (README, "The GPU check").
+GPU_PYTHON ?= python3
+gpu-check:
+	status=0; \
+	$(GPU_PYTHON) -m pytest -q -m cuda -p no:cacheprovider \
+		$$(grep -rl "mark.cuda" tests) || status=1; \
+	$(GPU_PYTHON) benchmarks/gpu.py --compile || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import Callback, DataBunch
+
+TESTS = Path(__file__).parent
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a child Python process: this one's, with the tests'
+    helpers and the checkout's fitlib importable in front of what the parent
+    already had (where fitlib is not installed, e.g. on a GPU machine)."""
+    paths = [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), **extra}
 
 
 def make_dataset(n: int = 100, d: int = 8, n_classes: int = 3, seed: int = 0):

@@ -20,7 +20,10 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.metrics import F1Score, accuracy
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def cuda_syncs_during_fit(
@@ -45,8 +48,11 @@ def cuda_syncs_during_fit(
     return syncs, learn
 
 
-def test_fit_on_cuda_adds_no_sync_per_batch(monkeypatch):
-    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)  # no paced refresh
+def test_fit_on_cuda_adds_no_sync_per_batch_even_when_the_bar_redraws_each(
+    monkeypatch,
+):
+    clock = iter(range(10**9))  # a second passes per read: every batch redraws
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
     few, learn = cuda_syncs_during_fit(64)
     many, _ = cuda_syncs_during_fit(256)
     assert next(learn.model.parameters()).device.type == "cuda"
@@ -155,3 +161,18 @@ def test_bf16_on_cuda_runs_the_forward_in_bfloat16():
     assert spy.dtypes == {torch.bfloat16}
     assert learn.recorder.train_losses[-1] < learn.recorder.train_losses[0]
     assert learn.callbacks[-1].scaler is None
+
+
+def test_a_host_copy_starts_without_a_sync_and_reads_the_value():
+    from fitlib.record import HostCopy
+
+    x = torch.randn(256, 256, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = (x @ x).square().mean()
+        copy = HostCopy([loss, loss * 2])
+        copy.ready()  # asks the event: no wait
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    a, b = copy.get()
+    assert copy.ready() and a == pytest.approx(loss.item()) and b == 2 * a

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Crash, make_dataset
+from helpers import Crash, child_env, make_dataset
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
@@ -124,7 +124,7 @@ def test_resume_restores_the_loss_scale(tmp_path):
 
 def test_killed_at_random_moments_with_sigkill_the_run_still_ends_identical(tmp_path):
     """Processes killed mid-epoch and mid-write, then rerun, as a user would."""
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = child_env()
     child = [sys.executable, str(HERE / "resume_child.py")]
     subprocess.run([*child, str(tmp_path / "ref"), str(tmp_path / "ref.pth")],
                    env=env, check=True, capture_output=True)  # fmt: skip
@@ -391,7 +391,7 @@ learn.fit(1, lr=0.01, callbacks=[Checkpoint(sys.argv[1]), Hold()])
 
 
 def test_a_live_runs_directory_is_refused_and_a_killed_runs_lock_is_taken(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(tmp_path)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

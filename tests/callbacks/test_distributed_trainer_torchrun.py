@@ -1,13 +1,12 @@
 """Distributed training under torchrun: 2 CPU processes with gloo, as in CI."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import child_env, make_dataset
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def torchrun(mode, out, n=2):
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     child = str(HERE / "dist_child.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={n}", child, mode, str(out)]  # fmt: skip
@@ -136,6 +135,7 @@ def test_a_rank_that_fails_brings_the_group_down_with_its_error(tmp_path):
     assert "simulated crash on rank 1" in run.stderr
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for NCCL")
 @pytest.mark.parametrize("mode", ["plain", "fsdp"])
 def test_nccl_with_one_process_on_the_gpu(tmp_path, mode):

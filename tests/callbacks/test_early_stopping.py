@@ -394,6 +394,7 @@ def test_it_adds_no_sync_per_batch(sync_counter):
     assert few == many and few >= 3  # one read per epoch, 4 vs 32 batches
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_best_weights_are_kept_on_the_host_and_restored():
     stop, snaps = EarlyStopping(patience=1, restore_best=True), Snapshots()

