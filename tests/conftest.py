@@ -12,6 +12,17 @@ from helpers import make_data, make_model
 matplotlib.use("Agg")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests: small models train faster,
+    and stay fast when other processes share the cores (torch's threads spin
+    and wait on each other there). The setting is put back afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def data():
     return make_data()

@@ -1,0 +1,45 @@
+"""The command line the examples share: their arguments and their result line.
+
+Every example has ``main(epochs, batch_size, n, progress, seed)`` that trains
+and returns its ``Learner``; ``python examples/<name>.py --help`` lists the
+arguments, with the example's own defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
+    """``main``'s keyword arguments from the command line."""
+    defaults = {k: p.default for k, p in inspect.signature(main).parameters.items()}
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    epochs, bs = defaults["epochs"], defaults["batch_size"]
+    parser.add_argument(
+        "--epochs", type=int, default=epochs, help=f"epochs (default: {epochs})"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=bs, help=f"batch size (default: {bs})"
+    )
+    parser.add_argument(
+        "--n", type=int, default=None, help="number of samples (default: the example's)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds data, weights, order (default: 0)"
+    )
+    return vars(parser.parse_args())
+
+
+def result_line(name: str, learn: Any, metric: str) -> str:
+    """The losses of the first and the last epoch, the last value of
+    ``metric``, and the seconds the fit's epochs took (the Recorder's)."""
+    table = learn.recorder.epoch_table()
+    first, last = table[0], table[-1]
+    return (
+        f"{name}: train_loss {first['train_loss']:.4f} -> {last['train_loss']:.4f}, "
+        f"valid_loss {first['valid_loss']:.4f} -> {last['valid_loss']:.4f}, "
+        f"{metric} {last[metric]:.4f}, {sum(learn.recorder.times):.1f} seconds"
+    )

@@ -1,0 +1,72 @@
+"""The sequence-to-sequence and regression examples train and learn:
+``examples/translation.py`` and ``examples/linear_regression.py``."""
+
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+
+import linear_regression
+import translation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def changed(trained: torch.nn.Module, untrained: torch.nn.Module) -> bool:
+    before = untrained.state_dict()
+    return any(not torch.equal(v, before[k]) for k, v in trained.state_dict().items())
+
+
+def finite(record: dict) -> bool:
+    return all(math.isfinite(record[k]) for k in ("train_loss", "valid_loss"))
+
+
+def test_translation_trains_at_batch_size_1():
+    learn = translation.main(epochs=1, batch_size=1, n=10, progress=False)
+    (record,) = learn.recorder.epoch_table()
+    assert finite(record)
+    assert 0 <= record["token_accuracy"] <= 1
+    assert record["perplexity"] >= 1
+    untrained = translation.build(batch_size=1, n=10, progress=False).model
+    assert changed(learn.model, untrained)
+
+
+def test_translation_learns():
+    learn = translation.main(epochs=4, batch_size=32, n=1500, progress=False)
+    table = learn.recorder.epoch_table()
+    assert table[-1]["train_loss"] < 0.5 * table[0]["train_loss"]
+    # Chance: always predicting the most frequent target token (EOS, one a
+    # sentence, is more frequent than any word).
+    counts = Counter()
+    for _, y_out in learn.data.valid_dl:
+        counts.update(y_out[y_out != translation.IGNORE].tolist())
+    baseline = max(counts.values()) / sum(counts.values())
+    assert table[-1]["token_accuracy"] > baseline + 0.3
+    # The greedy decoder ends each sentence and uses words of the vocabulary.
+    (src, lengths, _), _ = next(iter(learn.data.valid_dl))
+    pred = learn.model.greedy(src[:4], lengths[:4])
+    assert pred.shape[0] == 4 and (pred < translation.VOCAB).all()
+
+
+def test_linear_regression_trains_at_batch_size_1():
+    learn = linear_regression.main(epochs=1, batch_size=1, n=20, progress=False)
+    (record,) = learn.recorder.epoch_table()
+    assert finite(record)
+    assert math.isfinite(record["rmse"]) and math.isfinite(record["r2_score"])
+    untrained = linear_regression.build(batch_size=1, n=20, progress=False).model
+    assert changed(learn.model, untrained)
+
+
+def test_linear_regression_learns_w_and_b():
+    learn = linear_regression.main(epochs=5, batch_size=32, progress=False)
+    table = learn.recorder.epoch_table()
+    assert table[-1]["train_loss"] < 0.1 * table[0]["train_loss"]
+    assert table[-1]["r2_score"] > 0.9
+    w = learn.model.weight.detach().squeeze(0)
+    torch.testing.assert_close(w, linear_regression.TRUE_W, atol=0.1, rtol=0)
+    assert abs(learn.model.bias.item() - linear_regression.TRUE_B) < 0.1
