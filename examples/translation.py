@@ -17,7 +17,7 @@ three. At the end the script greedy-decodes two validation sentences.
 
 Run it with::
 
-    python examples/translation.py [--epochs N] [--batch-size B] [--n N]
+    python examples/translation.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ def show_translations(learn: Learner, k: int = 2) -> None:
 if __name__ == "__main__":
     learn = main(**cli.args(main, __doc__))
     show_translations(learn)
-    # fitlib's valid_loss averages the batches' token means weighted by their
-    # sentences; the loss per token over the whole set differs slightly.
+    # fitlib's valid_loss is the mean over the whole set's tokens (each batch
+    # weighs by its tokens, not its sentences): the two are equal.
     print(
         f"valid loss per token (whole set): {token_valid_loss(learn):.6f}; "
         f"fitlib's valid_loss: {learn.recorder.epoch_table()[-1]['valid_loss']:.6f}"

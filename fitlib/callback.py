@@ -144,6 +144,7 @@ from fitlib.record import (
     batch_size,
     check_added,
     check_record_names,
+    loss_count,
     step_lr,
 )
 from fitlib.structure import map_tensors
@@ -508,6 +509,9 @@ class CallbackHandler:
         # (see on_batch_end).
         self._graph: torch.Tensor | None = None
         self._checked: set = set()  # the checks done (at a first batch)
+        # What a batch's loss is a mean over, when not its samples (tokens of
+        # a masked token loss): set per fit (and by validate), see loss_count.
+        self.count: Any = None
         self._smooth_read = any(
             receives(getattr(cb, ev), "smooth_loss")
             for ev, hooks in self._hooks.items()
@@ -591,6 +595,7 @@ class CallbackHandler:
         self.state.update(state, n_epochs=n_epochs, max_steps=max_steps)
         self.state.update(stop_training=False, n_steps=max_steps)
         self.tally = self.state["tally"] = EpochTally(self.state["train_metrics"])
+        self.count = loss_count(self.state.get("loss_func"))
         try:
             n_steps = n_epochs * len(self.state["data"].train_dl)
         except (AttributeError, TypeError):  # no data, no epochs, or no len
@@ -670,10 +675,12 @@ class CallbackHandler:
             state["last_output"] = out
         if train or parts:
             yb = state["last_target"]
+            count = self.count  # tokens, for a masked token loss (no sync)
+            size = None if count is None else count(state["last_output"], yb)
             # The common case inline: one batch of targets (this runs per step).
-            if type(yb) is torch.Tensor and yb.ndim:
+            if size is None and type(yb) is torch.Tensor and yb.ndim:
                 size = yb.shape[0]
-            else:
+            elif size is None:
                 size = batch_size(yb, state["last_input"])
             tally = self.tally
             if train and not parts and not tally.has_metrics:  # inline: per step

@@ -324,7 +324,7 @@ def loss_check(loss_func: Any, out: Any, targets: tuple) -> Iterator[None]:
     """
     y = targets[0] if len(targets) == 1 else None
     if isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor):
-        if _is(loss_func, _CLASS_INDEX, _CLASS_INDEX_MODULES):
+        if is_class_index_loss(loss_func):
             _check_class_targets(loss_func, out, y)
         elif out.shape != y.shape and _is(
             loss_func, _ELEMENTWISE, _ELEMENTWISE_MODULES
@@ -449,7 +449,7 @@ def _check_class_targets(loss_func: Any, out: torch.Tensor, y: torch.Tensor) -> 
             "torch.tensor(labels, dtype=torch.long) in the dataset)."
         )
     n_classes = out.shape[1] if out.ndim > 1 else out.shape[0]
-    ignore = _ignore_index(loss_func)
+    ignore = ignore_index_of(loss_func)
     bad = ((y < 0) | (y >= n_classes)) & (y != ignore)
     if bad.any():  # one sync, at the first batch only
         found = y[bad][0].item()
@@ -461,7 +461,15 @@ def _check_class_targets(loss_func: Any, out: torch.Tensor, y: torch.Tensor) -> 
         )
 
 
-def _ignore_index(loss_func: Any) -> int:
+def is_class_index_loss(loss_func: Any) -> bool:
+    """Whether ``loss_func`` is cross-entropy or NLL (a function, a module or
+    a ``functools.partial`` of one): it takes class indices."""
+    return _is(loss_func, _CLASS_INDEX, _CLASS_INDEX_MODULES)
+
+
+def ignore_index_of(loss_func: Any) -> int:
+    """The class index ``loss_func`` leaves out (a module's ``ignore_index``,
+    a ``partial``'s keyword), -100 by default as in torch."""
     if isinstance(loss_func, nn.Module):
         return getattr(loss_func, "ignore_index", -100)
     keywords = getattr(loss_func, "keywords", None) or {}

@@ -31,9 +31,16 @@ from fitlib.checks import (
     regroup_fix,
 )
 from fitlib.errors import describe, name_of, reraise
-from fitlib.metrics import Metrics, weighted_sum
+from fitlib.metrics import Metrics
 from fitlib.optim import HPOptimizer
-from fitlib.record import Record, batch_size, first_tensor, to_floats  # noqa: F401 (here before)
+from fitlib.record import (  # noqa: F401 (to_floats: here before)
+    Record,
+    RunningLoss,
+    batch_size,
+    first_tensor,
+    loss_count,
+    to_floats,
+)
 from fitlib.structure import map_tensors
 
 LossFunc = Callable[..., torch.Tensor] | None  # None: the model computes it
@@ -268,10 +275,12 @@ def validate(
     ``batch_fn`` turns each batch of ``dl`` into ``(x, y)``, as
     ``DataBunch(batch_fn=...)`` does in ``fit``.
 
-    The loss is averaged over samples (weighted by batch size), so a ragged
-    last batch counts exactly; metrics are accumulated on the device. When
+    The loss is averaged over what it averages over (``record.loss_count``):
+    the tokens a masked token loss keeps, else the samples (weighted by batch
+    size), so a ragged last batch counts exactly and the result is the whole
+    set's mean; metrics are accumulated on the device. When
     ``metrics.reducer`` is set (distributed training, ``dl`` one process's
-    shard), the loss sum, sample count and metric states are summed over the
+    shard), the loss sum, count and metric states are summed over the
     processes first, so every process gets the values of the whole set.
 
     Example:
@@ -283,13 +292,16 @@ def validate(
     cb_handler = cb_handler or CallbackHandler()
     device = model_device(model)
     metrics.reset()
-    losses, sizes = [], []  # summed once at the end: cheaper than per batch
+    if cb_handler.count is None:  # validate alone: the loss parts count alike
+        cb_handler.count = loss_count(loss_func)
+    count = cb_handler.count
+    losses = RunningLoss()  # summed once at the end: cheaper than per batch
     with evaluating(model):
         for xb, yb in batches(dl, device, "valid_dl", batch_fn):
             xb, yb = cb_handler.on_batch_begin(xb, yb, train=False)
             loss = loss_batch(model, xb, yb, loss_func, None, cb_handler)
-            losses.append(loss)
-            sizes.append(batch_size(yb, xb))
+            size = None if count is None else count(cb_handler.state["last_output"], yb)
+            losses.add(loss, batch_size(yb, xb) if size is None else size)
             if metrics:
                 out = cb_handler.state["last_output"]
                 if cb_handler.first_batch("metrics"):
@@ -297,11 +309,16 @@ def validate(
                 metrics.update(out, as_tuple(yb))
             if cb_handler.on_batch_end(loss):
                 break
-    loss_sum, count = weighted_sum(losses, sizes), sum(sizes)
+    pending = losses.pending()
+    if not pending:
+        raise ValueError(
+            f"dl gave no batch to validate on: {describe(dl)}. Fix: a loader "
+            "with at least one batch (drop_last=True drops a short last one)."
+        )
+    loss_sum, n = losses.sum_and_count(pending[0])
     if metrics.reducer is not None:  # one collective for loss, count, metrics
-        count = loss_sum.new_full((), count)  # a fill: no host-to-device copy
-        loss_sum, count = metrics.reduce([loss_sum, count])
-    return [loss_sum / count, *metrics.compute()]
+        loss_sum, n = metrics.reduce([loss_sum, n])
+    return [loss_sum / n, *metrics.compute()]
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """The epoch record: one named dict of an epoch's values, and the sums behind it.
 
 ``EpochTally`` keeps, on the device, what an epoch's record needs from its
-batches: the sample-weighted sum of the training losses, the parts of a loss
+batches: the weighted sum of the training losses (by samples, or by what a
+token loss averages over: ``loss_count``), the parts of a loss
 that returns a dict (training and validation), the training metrics, and the
 epoch's clock. At the epoch's end ``EpochTally.record`` reads all of it and the
 validation values in one host transfer, and returns the record:
@@ -21,12 +22,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from fitlib import ranks
+from fitlib.checks import ignore_index_of, is_class_index_loss
 from fitlib.errors import describe
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 
@@ -111,14 +113,62 @@ def first_tensor(x: Any) -> torch.Tensor | None:
     return x if isinstance(x, torch.Tensor) else None
 
 
-class RunningLoss:
-    """A sample-weighted sum of losses, kept as device tensors until read.
+def loss_count(loss_func: Any) -> Callable[[Any, Any], torch.Tensor | None] | None:
+    """What a batch's loss is a mean over, when that is not the batch's
+    samples: a function ``(output, targets)`` giving a 0-dim device tensor
+    (no sync), or None for that batch; None when every batch is weighted by
+    its samples. The epoch's loss is then the mean over the whole set of what
+    the loss averages over, as one pass over the set would compute it.
 
-    ``add`` only appends (no sync; every ``FOLD`` batches one device op sums
-    them, so memory stays bounded); ``pending`` gives the sum as a device
-    tensor to read together with other values in one transfer; ``mean`` turns
-    what was read into the mean. ``state_dict`` reads the sum (one sync: call
-    it when saving), and a restored sum is added in.
+    - A loss with a ``count`` attribute (``fitlib.sequences.
+      masked_cross_entropy`` has one; yours may): ``count(output, *targets)``,
+      with a ``functools.partial``'s keywords passed on.
+    - Cross-entropy and NLL (functions, modules, partials) on class indices
+      with more than one dim (per token, per pixel): the targets that are not
+      ``ignore_index``, each weighted by its class's ``weight`` when given.
+      Class indices of shape ``(B,)`` count as ``B`` samples.
+
+    Example:
+        >>> count = loss_count(F.cross_entropy)
+        >>> count(None, torch.tensor([[1, 2, -100]]))
+        tensor(2)
+    """
+    func = getattr(loss_func, "func", loss_func)
+    keywords = getattr(loss_func, "keywords", None) or {}
+    counter = getattr(func, "count", None)
+    if callable(counter):
+        return lambda out, yb: counter(
+            out, *(yb if isinstance(yb, (tuple, list)) else (yb,)), **keywords
+        )
+    if not is_class_index_loss(loss_func):
+        return None
+    ignore = ignore_index_of(loss_func)
+    weight = getattr(loss_func, "weight", None)
+    weight = keywords.get("weight") if weight is None else weight
+
+    def count(out: Any, yb: Any) -> torch.Tensor | None:
+        if type(yb) is not torch.Tensor or yb.ndim < 2 or yb.is_floating_point():
+            return None
+        kept = yb != ignore
+        if weight is None:
+            return kept.sum()
+        return (weight.to(yb.device)[yb.where(kept, 0)] * kept).sum()
+
+    return count
+
+
+class RunningLoss:
+    """A weighted sum of losses, kept as device tensors until read.
+
+    Each batch's loss is a mean over its ``size``: its samples (an int), or
+    what the loss averages over when that is counted on the device (a 0-dim
+    tensor: the tokens a masked token loss keeps; see ``loss_count``). ``add``
+    only appends (no sync; every ``FOLD`` batches one device op sums them, so
+    memory stays bounded); ``pending`` gives the sum (and the device count, if
+    any) as device tensors to read together with other values in one
+    transfer; ``mean`` turns what was read into the mean. ``state_dict``
+    reads the sums (one sync: call it when saving), and restored sums are
+    added in.
 
     Example:
         >>> loss = RunningLoss()
@@ -130,49 +180,93 @@ class RunningLoss:
     def __init__(self) -> None:
         self.reset()
 
-    def reset(self, total: float = 0.0, count: int = 0) -> None:
+    def reset(self, total: float = 0.0, count: float = 0) -> None:
         """Forgets the losses; ``total`` and ``count`` start the sums (restored)."""
         self._losses: list[torch.Tensor] = []
-        self._sizes: list[int] = []
+        self._sizes: list[int | torch.Tensor] = []
         self._folded: torch.Tensor | None = None  # the sum of earlier batches
-        self._folded_count = 0
-        self._total, self._count = float(total), int(count)
+        self._folded_count = 0  # their sizes that were ints
+        self._folded_counted: torch.Tensor | None = None  # and tensors
+        self._total, self._count = float(total), count
 
-    def add(self, loss: torch.Tensor, size: int) -> None:
-        """Adds a batch's detached loss (a mean over ``size`` samples)."""
+    def add(self, loss: torch.Tensor, size: int | torch.Tensor) -> None:
+        """Adds a batch's detached loss, a mean over ``size`` (samples, or a
+        0-dim device tensor: what the loss averaged over)."""
         self._losses.append(loss)
         self._sizes.append(size)
         if len(self._losses) >= FOLD:
-            self._folded = self.pending()[0]
-            self._folded_count += sum(self._sizes)
+            self._folded_count = self.samples - self._count
+            self._folded, self._folded_counted = self._sums()
             self._losses, self._sizes = [], []
 
     @property
-    def samples(self) -> int:
-        """The number of samples added (restored ones included)."""
-        return self._count + self._folded_count + sum(self._sizes)
+    def samples(self) -> float:
+        """The sizes added as ints (restored counts included); the device
+        counts are in ``pending()``."""
+        ints = sum(s for s in self._sizes if type(s) is not torch.Tensor)
+        return self._count + self._folded_count + ints
 
     @property
-    def restored(self) -> tuple[float, int]:
+    def empty(self) -> bool:
+        """Whether nothing was added (nor restored)."""
+        return not (self._losses or self._folded is not None or self._count)
+
+    @property
+    def restored(self) -> tuple[float, float]:
         """The sum and count that ``reset`` (or ``load_state_dict``) started from."""
         return self._total, self._count
 
+    def _sums(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device sum of ``size * loss`` over the batches added, and the
+        sum of the sizes that are tensors (None where there are none)."""
+        total, counted = self._folded, self._folded_counted
+        by_int = [(v, s) for v, s in zip(self._losses, self._sizes, strict=True)
+                  if type(s) is not torch.Tensor]  # fmt: skip
+        if by_int:
+            part = weighted_sum(*map(list, zip(*by_int, strict=True)))
+            total = part if total is None else total + part
+        if len(by_int) < len(self._losses):
+            by_tensor = [(v, s) for v, s in zip(self._losses, self._sizes, strict=True)
+                         if type(s) is torch.Tensor]  # fmt: skip
+            values, sizes = (torch.stack(x) for x in zip(*by_tensor, strict=True))
+            dtype = accumulation_dtype(values.device)
+            sizes = sizes.to(dtype)
+            part = (values.to(dtype) * sizes).sum()
+            total = part if total is None else total + part
+            counted = sizes.sum() if counted is None else counted + sizes.sum()
+        return total, counted
+
     def pending(self) -> list[torch.Tensor]:
-        """``[sum of size * loss]`` over the batches added, or ``[]`` if none."""
-        parts = [self._folded] if self._folded is not None else []
-        if self._losses:
-            parts.append(weighted_sum(self._losses, self._sizes))
-        return [parts[0] + parts[1]] if len(parts) == 2 else parts
+        """``[sum of size * loss]``, and the sum of the device sizes when there
+        are any, over the batches added; ``[]`` if none."""
+        total, counted = self._sums()
+        if total is None:
+            return []
+        return [total] if counted is None else [total, counted]
 
     def mean(self, read: list[float]) -> float:
-        """The mean loss per sample, given ``pending()`` read as floats."""
-        n = self.samples
-        return (self._total + sum(read)) / n if n else math.nan
+        """The mean loss per sample (or per what was counted), given
+        ``pending()`` read as floats."""
+        total = self._total + (read[0] if read else 0.0)
+        n = self.samples + (read[1] if len(read) > 1 else 0)
+        return total / n if n else math.nan
+
+    def sum_and_count(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum and the count as device tensors (restored ones included),
+        on the device and in the dtype of ``like``: for a collective."""
+        total, counted = self._sums()
+        total = like.new_full((), self._total) + (0 if total is None else total)
+        count = like.new_full((), self.samples)  # a fill: no host-to-device copy
+        return total, count if counted is None else count + counted
 
     def state_dict(self) -> dict:
         """The sum and count as python numbers (reads the device: one sync)."""
-        total = self._total + sum(to_floats(self.pending()))
-        return {"total": total, "count": self.samples}
+        read = to_floats(self.pending())
+        total = self._total + (read[0] if read else 0.0)
+        return {
+            "total": total,
+            "count": self.samples + (read[1] if len(read) > 1 else 0),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict``: later batches add to the restored sum."""
@@ -317,21 +411,18 @@ class EpochTally:
     def _reduced(self, losses: list[RunningLoss]) -> tuple[list, Any, list]:
         """The loss sums and counts, and the training metrics, summed over the
         processes in one collective."""
-        zero = torch.zeros((), dtype=torch.float64)
-        totals = []
-        for loss in losses:
-            pending = loss.pending()
-            total = pending[0].double() if pending else zero
-            totals.append(total + loss.restored[0])
-        device = totals[0].device if losses else zero.device
-        counts = [float(loss.samples) for loss in losses]
-        extra = [*(t.to(device) for t in totals), torch.tensor(counts, device=device)]
+        device = next(
+            (p[0].device for p in map(RunningLoss.pending, losses) if p), None
+        )
+        like = torch.zeros((), dtype=torch.float64, device=device)
+        sums = [loss.sum_and_count(like) for loss in losses]
+        extra = [torch.stack([t for t, _ in sums]), torch.stack([c for _, c in sums])]
         metrics = self.train_metrics
         if metrics.reducer is None:
             metrics.reducer = ranks.all_reduce_sum
         # Every process trains as many batches (a DistributedSampler), so all
         # of them take part in this one collective, or none.
-        summed = metrics.reduce([torch.stack(extra[:-1]), extra[-1]])
+        summed = metrics.reduce(extra)
         trained = metrics.compute() if metrics and self._metric_batches else []
         n = len(losses)
 
@@ -456,7 +547,7 @@ def _local(losses: list[RunningLoss]) -> tuple[list[torch.Tensor], Any]:
 
     def finish(values: Iterable[float]) -> list[float | None]:
         return [
-            loss.mean([next(values) for _ in p]) if loss.samples else None
+            None if loss.empty else loss.mean([next(values) for _ in p])
             for loss, p in zip(losses, pending, strict=True)
         ]
 

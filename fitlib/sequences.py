@@ -139,3 +139,14 @@ def masked_cross_entropy(
     """
     logits, t = class_rows(out, y, "masked_cross_entropy", class_dim)
     return F.cross_entropy(logits, t, ignore_index=ignore_index)
+
+
+def _count_kept(
+    out: Tensor, y: Tensor, *, ignore_index: int = -100, class_dim: int | None = None
+) -> Tensor:
+    """The tokens ``masked_cross_entropy`` averages over (targets that are not
+    ``ignore_index``): the epoch's loss weighs each batch by them."""
+    return (y != ignore_index).sum()
+
+
+masked_cross_entropy.count = _count_kept  # read by fitlib.record.loss_count
