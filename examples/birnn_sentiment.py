@@ -11,7 +11,7 @@ The data is made here, no download: synthetic sentences whose sentiment
 depends on word order ("not bad" is positive), from ``synthetic_text.py``.
 
 Run it:
-    python examples/birnn_sentiment.py [--epochs N] [--batch-size B] [--n N]
+    python examples/birnn_sentiment.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 """
 
 from __future__ import annotations

@@ -27,8 +27,12 @@ def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
     parser.add_argument(
         "--n", type=int, default=None, help="number of samples (default: the example's)"
     )
+    seed = defaults["seed"]
     parser.add_argument(
-        "--seed", type=int, default=0, help="seeds data, weights, order (default: 0)"
+        "--seed",
+        type=int,
+        default=seed,
+        help=f"seeds data, weights, order (default: {seed})",
     )
     return vars(parser.parse_args())
 

@@ -17,7 +17,7 @@ transposed convolutions back to 32x32, with skip connections from the encoder
 
 Run it (about half a minute on a 2-core CPU)::
 
-    python examples/fcn_segmentation.py [--epochs N] [--batch-size B] [--n N]
+    python examples/fcn_segmentation.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 """
 
 import cli  # the shared command line (examples/cli.py)

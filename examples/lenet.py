@@ -12,11 +12,11 @@ validation sets.
 
 Run it:
 
-    python examples/lenet.py [--epochs N] [--batch-size B] [--n N]
+    python examples/lenet.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 
 ``--n`` keeps only the first N digits (for quick tests). The defaults
-(10 epochs, batch size 64) reach about 98% validation accuracy in a few
-seconds on a 2-core CPU.
+(10 epochs, batch size 64) reach about 97% validation accuracy (96.9% with
+seed 0) in a few seconds on a 2-core CPU.
 """
 
 import math

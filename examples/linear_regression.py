@@ -9,6 +9,7 @@ script prints the learned ``w`` and ``b`` beside the true ones.
 Run it with::
 
     python examples/linear_regression.py [--epochs N] [--batch-size B] [--n N]
+                                         [--seed S]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ stem (no max pool), affordable on a CPU. Everything else is torchvision's.
 
 Run it:
 
-    python examples/resnet18_augment.py [--epochs N] [--batch-size B] [--n N]
+    python examples/resnet18_augment.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 
 ``--n`` keeps only the first N digits (for quick tests). The defaults (2
 epochs, batch size 64) reach about 97% validation accuracy (97.2% with seed

@@ -23,7 +23,7 @@ the positive anchors only.
 
 Run it (well under a minute on a 2-core CPU)::
 
-    python examples/ssd_detection.py [--epochs N] [--batch-size B] [--n N]
+    python examples/ssd_detection.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 """
 
 import cli  # the shared command line (examples/cli.py)

@@ -13,6 +13,7 @@ depends on word order ("not bad" is positive), from ``synthetic_text.py``.
 
 Run it:
     python examples/textcnn_sentiment.py [--epochs N] [--batch-size B] [--n N]
+                                         [--seed S]
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_fcn_learns_to_segment():
     # mean IoU = that share over 3 classes.
     masks = learn.data.valid_dl.dataset.tensors[1]
     background = (masks == 0).float().mean().item()
-    assert table[-1]["accuracy"] > background
+    assert table[-1]["accuracy"] > 1 - 0.75 * (1 - background)  # a quarter fewer errors
     assert table[-1]["mean_iou"] > background / 3 + 0.15
 
 
@@ -95,5 +95,5 @@ def test_ssd_learns_to_detect():
     # and macro F1 about 1/3 (background's F1 near 1, the classes' 0).
     classes = learn.data.valid_dl.dataset.classes
     background = (classes == 0).float().mean().item()
-    assert table[-1]["anchor_accuracy"] > background
+    assert table[-1]["anchor_accuracy"] > 1 - 0.75 * (1 - background)
     assert table[-1]["anchor_f1"] > 0.6

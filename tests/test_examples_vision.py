@@ -61,3 +61,12 @@ def test_runs_repeat_with_the_same_seed():
     a = lenet.main(epochs=1, batch_size=32, n=200, progress=False)
     b = lenet.main(epochs=1, batch_size=32, n=200, progress=False)
     assert a.recorder.train_losses == b.recorder.train_losses
+
+
+def test_resnet_augments_the_training_images_only():
+    data = resnet18_augment.digits_data(batch_size=8, n=40)
+    train, valid = data.train_dl.dataset, data.valid_dl.dataset
+    torch.manual_seed(0)
+    assert not torch.equal(train[0][0], train[0][0])  # a new crop each read
+    assert torch.equal(valid[0][0], valid[0][0])
+    assert train[0][0].shape == valid[0][0].shape == (3, 32, 32)
