@@ -13,19 +13,30 @@ from collections.abc import Callable
 from typing import Any
 
 
+def positive(text: str) -> int:
+    """An int >= 1, or argparse's usage error."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return value
+
+
 def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
     """``main``'s keyword arguments from the command line."""
     defaults = {k: p.default for k, p in inspect.signature(main).parameters.items()}
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     epochs, bs = defaults["epochs"], defaults["batch_size"]
     parser.add_argument(
-        "--epochs", type=int, default=epochs, help=f"epochs (default: {epochs})"
+        "--epochs", type=positive, default=epochs, help=f"epochs (default: {epochs})"
     )
     parser.add_argument(
-        "--batch-size", type=int, default=bs, help=f"batch size (default: {bs})"
+        "--batch-size", type=positive, default=bs, help=f"batch size (default: {bs})"
     )
     parser.add_argument(
-        "--n", type=int, default=None, help="number of samples (default: the example's)"
+        "--n",
+        type=positive,
+        default=None,
+        help="number of samples (default: the example's)",
     )
     seed = defaults["seed"]
     parser.add_argument(

@@ -192,7 +192,7 @@ def show_translations(learn: Learner, k: int = 2) -> None:
     (src, lengths, _), y_out = next(iter(learn.data.valid_dl))
     learn.model.eval()
     pred = learn.model.greedy(src[:k], lengths[:k])
-    for i in range(k):
+    for i in range(len(pred)):  # fewer than k when the set is smaller
         print(f"source:     {words(src[i, : lengths[i]].tolist())}")
         print(f"target:     {words(y_out[i][y_out[i] != IGNORE].tolist())}")
         print(f"prediction: {words(pred[i].tolist())}")

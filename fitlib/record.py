@@ -29,7 +29,7 @@ import torch
 
 from fitlib import ranks
 from fitlib.checks import ignore_index_of, is_class_index_loss
-from fitlib.errors import describe
+from fitlib.errors import add_note, describe
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 
 Record = dict[str, Any]
@@ -136,12 +136,11 @@ def loss_count(loss_func: Any) -> Callable[[Any, Any], torch.Tensor | None] | No
     func = getattr(loss_func, "func", loss_func)
     keywords = getattr(loss_func, "keywords", None) or {}
     counter = getattr(func, "count", None)
-    if callable(counter):
-        return lambda out, yb: counter(
-            out, *(yb if isinstance(yb, (tuple, list)) else (yb,)), **keywords
-        )
-    if not is_class_index_loss(loss_func):
-        return None
+    if counter is not None:
+        return _checked_count(counter, keywords)
+    reduction = keywords.get("reduction", getattr(loss_func, "reduction", "mean"))
+    if not is_class_index_loss(loss_func) or reduction != "mean":
+        return None  # a summed loss is not a mean over anything: by samples
     ignore = ignore_index_of(loss_func)
     weight = getattr(loss_func, "weight", None)
     weight = keywords.get("weight") if weight is None else weight
@@ -153,6 +152,42 @@ def loss_count(loss_func: Any) -> Callable[[Any, Any], torch.Tensor | None] | No
         if weight is None:
             return kept.sum()
         return (weight.to(yb.device)[yb.where(kept, 0)] * kept).sum()
+
+    return count
+
+
+def _shown(x: Any) -> str:
+    return describe(x) if isinstance(x, torch.Tensor) else f"{x!r} ({type(x).__name__})"
+
+
+def _checked_count(counter: Any, keywords: dict) -> Callable[[Any, Any], Any]:
+    """``counter`` called as ``count(output, *targets, **keywords)``, its
+    result checked: None, an int, or a 0-dim tensor."""
+    if not callable(counter):
+        raise TypeError(
+            f"loss_func has a count attribute that is not a function: "
+            f"{_shown(counter)}. fitlib calls count(output, *targets) for what "
+            "each batch's loss is a mean over. Fix: a function, e.g. "
+            "lambda out, y: (y != -100).sum(), or remove the attribute."
+        )
+
+    def count(out: Any, yb: Any) -> Any:
+        targets = yb if isinstance(yb, (tuple, list)) else (yb,)
+        try:
+            n = counter(out, *targets, **keywords)
+        except TypeError as e:
+            add_note(e, "fitlib: raised in loss_func.count(output, *targets)")
+            raise
+        if n is None or (type(n) is torch.Tensor and n.ndim == 0):
+            return n
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
+        raise TypeError(
+            f"loss_func.count returned {_shown(n)}; it must return what the "
+            "batch's loss is a mean over, as one number: an int or a 0-dim "
+            "tensor (e.g. (y != -100).sum()), or None to weigh the batch by "
+            "its samples."
+        )
 
     return count
 
@@ -231,7 +266,9 @@ class RunningLoss:
             values, sizes = (torch.stack(x) for x in zip(*by_tensor, strict=True))
             dtype = accumulation_dtype(values.device)
             sizes = sizes.to(dtype)
-            part = (values.to(dtype) * sizes).sum()
+            # A batch with nothing to average (every target ignored) has a NaN
+            # mean and weight 0: it adds nothing (NaN * 0 would be NaN).
+            part = torch.where(sizes > 0, values.to(dtype) * sizes, 0).sum()
             total = part if total is None else total + part
             counted = sizes.sum() if counted is None else counted + sizes.sum()
         return total, counted

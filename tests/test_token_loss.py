@@ -172,3 +172,74 @@ def test_under_a_process_group_the_token_counts_are_summed_too(one_process_group
     assert record["valid_loss"] == pytest.approx(want, rel=1e-6)
     want = whole_set_mean(learn.model, data.train_dl, loss_sum)
     assert record["train_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_batch_with_every_target_ignored_adds_nothing():
+    def loaders_with_an_empty_batch():
+        collate = PadCollate()
+        items = pairs(12, seed=2)
+        empty = [(x, torch.full_like(y, -100)) for x, y in pairs(4, seed=3)]
+        return DataLoader(items[:4] + empty + items[4:], 4, collate_fn=collate)
+
+    torch.manual_seed(0)
+    model, dl = Tagger(), loaders_with_an_empty_batch()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    (record,) = fit(1, model, masked_cross_entropy, opt, DataBunch(dl, dl), [Frozen()])
+    want = whole_set_mean(model, dl, CASES["masked_cross_entropy"][2])
+    assert record["train_loss"] == pytest.approx(want, rel=1e-6)
+    assert record["valid_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_summed_loss_is_weighted_by_samples_as_before():
+    summed = functools.partial(F.cross_entropy, reduction="sum")
+    assert loss_count(summed) is None
+    assert loss_count(nn.CrossEntropyLoss(reduction="sum")) is None
+
+
+def with_count(count):
+    def loss_func(out, y):
+        return masked_cross_entropy(out, y)
+
+    loss_func.count = count
+    return loss_func
+
+
+@pytest.mark.parametrize(
+    ("count", "error"),
+    [
+        (7, r"count attribute that is not a function: 7 \(int\).*Fix"),
+        (
+            lambda out, y: (y != -100).sum(1),
+            r"count returned Tensor\(shape=\(4,\).*0-dim",
+        ),
+        (lambda out, y: 2.5, r"count returned 2.5.*an int or a 0-dim tensor"),
+    ],
+    ids=["not callable", "per-sequence counts", "a float"],
+)
+def test_a_count_that_is_not_one_number_is_refused_with_the_fix(count, error):
+    torch.manual_seed(0)
+    model, data = Tagger(), loaders()
+    learn = Learner(data, model, with_count(count), metrics=[], progress=False)
+    with pytest.raises(TypeError, match=error):
+        learn.fit(1, lr=0.1)
+    assert learn.recorder.train_losses == []  # refused at the first batch
+
+
+def test_a_count_with_the_wrong_signature_says_so():
+    torch.manual_seed(0)
+    learn = Learner(
+        loaders(), Tagger(), with_count(lambda y: y.numel()), metrics=[], progress=False
+    )
+    with pytest.raises(TypeError) as info:
+        learn.fit(1, lr=0.1)
+    assert "loss_func.count(output, *targets)" in "".join(info.value.__notes__)
+
+
+def test_a_count_may_be_a_python_int():
+    torch.manual_seed(0)
+    model, data = Tagger(), loaders()
+    loss_func = with_count(lambda out, y: int((y != -100).sum()))
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    (record,) = fit(1, model, loss_func, opt, data, [Frozen()])
+    want = whole_set_mean(model, data.valid_dl, CASES["masked_cross_entropy"][2])
+    assert record["valid_loss"] == pytest.approx(want, rel=1e-6)
