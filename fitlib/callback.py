@@ -510,7 +510,8 @@ class CallbackHandler:
         self._graph: torch.Tensor | None = None
         self._checked: set = set()  # the checks done (at a first batch)
         # What a batch's loss is a mean over, when not its samples (tokens of
-        # a masked token loss): set per fit (and by validate), see loss_count.
+        # a masked token loss): set per fit (and by validate), see loss_count;
+        # False once the first batch showed that samples it is.
         self.count: Any = None
         self._smooth_read = any(
             receives(getattr(cb, ev), "smooth_loss")
@@ -676,7 +677,9 @@ class CallbackHandler:
         if train or parts:
             yb = state["last_target"]
             count = self.count  # tokens, for a masked token loss (no sync)
-            size = None if count is None else count(state["last_output"], yb)
+            size = count(state["last_output"], yb) if count else None
+            if size is None and count and getattr(count, "by_shape", False):
+                self.count = False  # class indices (B,): by samples, this fit
             # The common case inline: one batch of targets (this runs per step).
             if size is None and type(yb) is torch.Tensor and yb.ndim:
                 size = yb.shape[0]

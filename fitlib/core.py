@@ -294,7 +294,7 @@ def validate(
     metrics.reset()
     if cb_handler.count is None:  # validate alone: the loss parts count alike
         cb_handler.count = loss_count(loss_func)
-    count = cb_handler.count
+    count = cb_handler.count or None
     losses = RunningLoss()  # summed once at the end: cheaper than per batch
     with evaluating(model):
         for xb, yb in batches(dl, device, "valid_dl", batch_fn):

@@ -243,3 +243,27 @@ def test_a_count_may_be_a_python_int():
     (record,) = fit(1, model, loss_func, opt, data, [Frozen()])
     want = whole_set_mean(model, data.valid_dl, CASES["masked_cross_entropy"][2])
     assert record["valid_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_class_indices_of_one_dim_stop_asking_after_the_first_batch(monkeypatch):
+    from helpers import make_data, make_model
+
+    import fitlib.callback
+
+    calls, real = [], fitlib.callback.loss_count
+
+    def spying(loss_func):
+        count = real(loss_func)
+
+        def spy(out, yb):
+            calls.append(yb.shape)
+            return count(out, yb)
+
+        spy.by_shape = count.by_shape
+        return spy
+
+    monkeypatch.setattr(fitlib.callback, "loss_count", spying)
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
+    learn.fit(2, lr=0.1)
+    assert len(calls) == 1  # no call per step for (B,) class indices
+    assert learn.recorder.train_losses[-1] < learn.recorder.train_losses[0]
