@@ -58,8 +58,10 @@ last_loss_parts     the named parts of the current batch's loss, detached,
 last_metrics        ``[valid_loss, *metric values]`` as device tensors after
                     validation, ``None`` when validation was skipped
 record              at ``on_epoch_end``, the epoch's record: a dict of python
-                    numbers, ``epoch``, ``train_loss``, ``valid_loss``, each
-                    metric by name, ``train_<metric>``, the loss parts
+                    numbers, ``epoch`` (and ``step``, the steps done, when a
+                    callback ``validates_mid_epoch``), ``train_loss``,
+                    ``valid_loss``, each metric by name, ``train_<metric>``,
+                    the loss parts
                     (``train_<part>``, ``valid_<part>``), the values callbacks
                     added, ``lr`` (of the last parameter group, as the epoch's
                     last step used it) and ``time`` (the epoch's seconds), in
@@ -82,7 +84,18 @@ stop_training       set True to end training: after this training batch (the
 skip_bwd            set True in ``on_backward_begin`` to skip ``backward()``
 skip_step           set True by ``on_backward_end`` to skip ``opt.step()``
 skip_zero           set True by ``on_step_end`` to keep the gradients
-skip_validate       set True before ``on_epoch_end`` to skip this validation
+skip_validate       set True before ``on_epoch_end`` to skip the validation
+                    at the epoch's end (set in a batch event, it also cancels
+                    a ``validate_now`` asked for before)
+validate_now        set True in a training batch's events to validate before
+                    the next batch: the validation ends a record (``on_epoch_end``
+                    with ``mid_epoch`` True) and training goes on, in train
+                    mode, in the same epoch; after the epoch's last batch, it
+                    is the epoch's validation (even with ``skip_validate``)
+mid_epoch           at ``on_epoch_end``: True when the record ends at a
+                    validation inside the epoch (``validate_now``; the epoch
+                    goes on, ``epoch`` stays, ``num_batch`` counts its
+                    training batches so far), False at the epoch's end
 ==================  ==========================================================
 
 ``on_train_end`` also receives ``exception``: the exception that ended
@@ -116,11 +129,12 @@ skip_bwd            ``on_batch_begin`` to ``on_backward_begin``
 skip_step           ``on_batch_begin`` to ``on_backward_end``
 skip_zero           ``on_batch_begin`` to ``on_step_end``
 skip_validate       ``on_epoch_begin`` and the batch events
+validate_now        the batch events
 ==================  ==========================================================
 
 ``opt``, ``loss_func``, ``metrics``, ``train_metrics``, ``callbacks``,
-``n_epochs``, ``train``, ``smooth_loss``, ``last_loss_parts`` and ``tally`` are
-read only; ``on_train_end`` returns nothing.
+``n_epochs``, ``train``, ``smooth_loss``, ``last_loss_parts``, ``tally`` and
+``mid_epoch`` are read only; ``on_train_end`` returns nothing.
 """
 
 from __future__ import annotations
@@ -193,6 +207,8 @@ STATE_KEYS = (
     "skip_step",
     "skip_zero",
     "skip_validate",
+    "validate_now",
+    "mid_epoch",
 )
 _VALID_KEYS = frozenset(STATE_KEYS)
 SMOOTH_BETA = 0.98
@@ -223,6 +239,7 @@ WRITABLE: dict[str, tuple[str, ...]] = {
     "skip_step": EVENTS[2:6],  # up to on_backward_end
     "skip_zero": EVENTS[2:7],  # up to on_step_end
     "skip_validate": ("on_epoch_begin", *_BATCH_EVENTS),
+    "validate_now": _BATCH_EVENTS,  # read before the next batch
 }
 
 
@@ -261,6 +278,9 @@ class Callback:
     # Side effects only (bars, logs, files): under torch.distributed only the
     # process of rank 0 runs it; the others leave it out.
     main_only: bool = False
+    # Asks for validations inside epochs (returns validate_now): every record
+    # of the fit then has its ``step``, which tells an epoch's records apart.
+    validates_mid_epoch: bool = False
 
     @property
     def name(self) -> str:
@@ -500,6 +520,8 @@ class CallbackHandler:
         }
         self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
         self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=False)
+        self.state.update(validate_now=False, mid_epoch=False)
+        self._record_step = False  # records carry their step (see on_train_begin)
         self.state["callbacks"] = list(self.callbacks)
         self.tally = self.state["tally"] = EpochTally()
         # The records of the epochs ended so far (``fit`` returns them).
@@ -576,6 +598,11 @@ class CallbackHandler:
             update = dict(update)
             self._add_to_record(cb, update.pop("record"))
         self.state.update(update)
+        # skip_validate set during the batches: no validation at all (a NaN
+        # loss), not even one asked for before it.
+        skip = update.get("skip_validate") and event in _BATCH_EVENTS
+        if skip and "validate_now" not in update:
+            self.state["validate_now"] = False
 
     def _add_to_record(self, cb: Callback, values: Any) -> None:
         """Merges a callback's values into the record, before ``lr`` and
@@ -595,6 +622,10 @@ class CallbackHandler:
     ) -> None:
         self.state.update(state, n_epochs=n_epochs, max_steps=max_steps)
         self.state.update(stop_training=False, n_steps=max_steps)
+        self.state.update(validate_now=False, mid_epoch=False)
+        self._record_step = any(
+            getattr(cb, "validates_mid_epoch", False) for cb in self.callbacks
+        )
         self.tally = self.state["tally"] = EpochTally(self.state["train_metrics"])
         self.count = loss_count(self.state.get("loss_func"))
         try:
@@ -610,7 +641,7 @@ class CallbackHandler:
         # train=True: the epoch's training batches keep a num_batch that a
         # hook sets here (a checkpoint resuming part way through the epoch).
         self.state.update(num_batch=0, stop_epoch=False, skip_validate=False)
-        self.state["train"] = True
+        self.state.update(train=True, validate_now=False, mid_epoch=False)
         if not self.state["stop_training"]:
             self("on_epoch_begin")
         if self.state["num_batch"] == 0:  # not an epoch resumed part way
@@ -715,14 +746,25 @@ class CallbackHandler:
         weight = (1 - SMOOTH_BETA) / (1 - SMOOTH_BETA**n)
         return torch.lerp(smooth, loss, weight)
 
-    def on_epoch_end(self, val_metrics: list[torch.Tensor] | None) -> bool:
-        """Builds the epoch's record (one host transfer), runs the hooks;
-        returns True when training must stop."""
+    def on_epoch_end(
+        self, val_metrics: list[torch.Tensor] | None, num_batch: int | None = None
+    ) -> bool:
+        """Builds the record (one host transfer), runs the hooks; returns True
+        when training must stop.
+
+        ``num_batch``: the training batches done in the epoch, for a record
+        that ends at a validation inside it (``validate_now``); None at the
+        epoch's end.
+        """
         state = self.state
+        mid_epoch = state["mid_epoch"] = num_batch is not None
+        if mid_epoch:  # the epoch's training goes on (validation counted its own)
+            state.update(num_batch=num_batch, train=True)
         state["last_metrics"] = val_metrics
         names = getattr(state["metrics"], "names", None) or []
         lr = step_lr(state["opt"])
-        record = self.tally.record(state["epoch"], val_metrics, names, lr)
+        step = state["step"] if self._record_step else None
+        record = self.tally.record(state["epoch"], val_metrics, names, lr, step)
         state["record"] = record
         for cb in self.callbacks:  # declared, and no hook that could add them
             if cb.record_names and not _overrides(cb, "on_epoch_end"):
@@ -735,7 +777,11 @@ class CallbackHandler:
             if missing:
                 self._add_to_record(cb, missing)
         self.history.append(state["record"])
-        state["epoch"] += 1
+        state["validate_now"] = False
+        if mid_epoch:
+            self.tally.start()  # the next record: the training from here on
+        else:
+            state["epoch"] += 1
         return state["stop_training"]
 
     def on_train_end(self, exception: BaseException | None) -> None:

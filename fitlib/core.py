@@ -41,6 +41,7 @@ from fitlib.record import (  # noqa: F401 (to_floats: here before)
     loss_count,
     to_floats,
 )
+from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.structure import map_tensors
 
 LossFunc = Callable[..., torch.Tensor] | None  # None: the model computes it
@@ -59,9 +60,11 @@ def fit(
     max_steps: int | None = None,
     train_metrics: list | None = None,
 ) -> list[Record]:
-    """Trains ``model`` for ``epochs`` epochs, validating after each.
+    """Trains ``model`` for ``epochs`` epochs, validating after each (or when
+    a ``ValidationSchedule`` says).
 
-    Returns the run's history: the record of each epoch (a dict: ``epoch``,
+    Returns the run's history: the record of each epoch, and of each
+    validation inside one (a dict: ``epoch``,
     ``train_loss``, ``valid_loss``, each metric by name, ``train_<metric>``,
     loss parts, values callbacks added, ``lr``, ``time``), as
     ``state["record"]`` held it at the epoch's end.
@@ -151,25 +154,27 @@ def fit_states(
             # the data: training goes through the wrapper, validation does not.
             train_model, device = cb_handler.state["model"], model_device(model)
             batch_fn = getattr(data, "batch_fn", None)  # (a callback may wrap data)
+            valid_args = (model, loss_func, metrics, batch_fn)
             for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
                 train_model.train()
                 if cb_handler.on_epoch_begin():  # nothing (more) to train
                     break
                 train_dl = cb_handler.state["data"].train_dl  # a callback may swap it
+                ended = False  # by a record inside the epoch
                 for xb, yb in batches(train_dl, device, "train_dl", batch_fn):
+                    # A validation asked for at the last batch's end: it ends a
+                    # record here, as more batches follow (else the epoch's).
+                    if cb_handler.state["validate_now"]:
+                        ended = _end_record(cb_handler, valid_args, mid_epoch=True)
+                        if ended:
+                            break
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
                     loss = loss_batch(train_model, xb, yb, loss_func, opt, cb_handler)
                     stop = cb_handler.on_batch_end(loss)
                     yield cb_handler.state
                     if stop:
                         break
-                results = None  # [valid_loss, *metrics] when validation runs
-                valid_dl = getattr(cb_handler.state["data"], "valid_dl", None)
-                if valid_dl is not None and not cb_handler.state["skip_validate"]:
-                    results = validate(
-                        model, valid_dl, loss_func, cb_handler, metrics, batch_fn
-                    )
-                if cb_handler.on_epoch_end(results):
+                if ended or _end_record(cb_handler, valid_args, mid_epoch=False):
                     break
     except GeneratorExit:  # the consumer stopped iterating: a clean end
         raise
@@ -181,6 +186,28 @@ def fit_states(
             cb_handler.on_train_end(exception)
         finally:
             opt.reset_scales()  # the next fit's lr is what it is given
+
+
+def _end_record(
+    cb_handler: CallbackHandler, valid_args: tuple, mid_epoch: bool
+) -> bool:
+    """Validates (unless skipped), builds the record and runs ``on_epoch_end``;
+    True when training must stop. ``mid_epoch``: a validation inside the epoch
+    (``validate_now``), after which the epoch's training goes on."""
+    state = cb_handler.state
+    num_batch = state["num_batch"] if mid_epoch else None  # validation resets it
+    model, loss_func, metrics, batch_fn = valid_args
+    valid_dl = getattr(state["data"], "valid_dl", None)
+    results = None  # [valid_loss, *metrics] when validation runs
+    if valid_dl is not None and (state["validate_now"] or not state["skip_validate"]):
+        # A loader draws a seed from torch's generator as it starts. The
+        # epoch's own validation does, as in a hand-written loop; one inside
+        # the epoch puts the generators back, or it would change the shuffles.
+        rng = get_rng_state() if mid_epoch else None
+        results = validate(model, valid_dl, loss_func, cb_handler, metrics, batch_fn)
+        if rng is not None:
+            set_rng_state(rng)
+    return cb_handler.on_epoch_end(results, num_batch)
 
 
 def _as_metrics(metrics: Any, name: str) -> Metrics:

@@ -631,7 +631,10 @@ class Learner:
         """
         check_int(every, "every", minimum=1, owner="Learner.fit_snapshots", example=25)
         steps = self._fit_states(None, lr, wd, callbacks, n_steps)
-        t0, loop_values = time.perf_counter(), ("epoch", "train_loss", "lr", "time")
+        t0, loop_values = (
+            time.perf_counter(),
+            ("epoch", "step", "train_loss", "lr", "time"),
+        )
         with closing(steps):
             for state in steps:
                 step = state["step"]

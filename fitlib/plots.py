@@ -52,18 +52,23 @@ def per_step(ax: Any, steps: list[int], panels: dict[str, list], where: str) -> 
 
 
 def per_epoch(
-    ax: Any, epochs: list[int], panels: dict[str, dict[str, list]], where: str
+    ax: Any,
+    epochs: list[int],
+    panels: dict[str, dict[str, list]],
+    where: str,
+    xlabel: str = "epoch",
 ) -> Any:
     """One panel per entry of ``panels``, each a line per ``{label: values}``
-    (values per epoch, dots joined; a legend when a panel has several)."""
+    (values per epoch, or at ``epochs`` in the unit ``xlabel`` names: dots
+    joined; a legend when a panel has several)."""
     axes = _panels(ax, list(panels), where)
     from matplotlib.ticker import MaxNLocator  # (_panels checked it is there)
 
     for panel, (name, lines) in zip(axes, panels.items(), strict=True):
         for label, values in lines.items():
             panel.plot(epochs, values, "o-", label=label)
-        panel.set(xlabel="epoch", ylabel=name)
-        panel.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs
+        panel.set(xlabel=xlabel, ylabel=name)
+        panel.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs, steps
         if len(lines) > 1:
             panel.legend()
     return axes if len(axes) > 1 else axes[0]

@@ -34,7 +34,7 @@ from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 
 Record = dict[str, Any]
 # Values the loop owns: a callback may not add a value of these names.
-LOOP_KEYS = ("epoch", "train_loss", "valid_loss", "lr", "time")
+LOOP_KEYS = ("epoch", "step", "train_loss", "valid_loss", "lr", "time")
 # The order of the first callback that reads the record (ReduceLROnPlateau):
 # a callback adds values before it.
 ADD_BEFORE = 40
@@ -406,10 +406,12 @@ class EpochTally:
         valid: list[torch.Tensor] | None,
         metric_names: list[str],
         lr: float,
+        step: int | None = None,
     ) -> Record:
         """The epoch's record, every device value read in one host transfer.
 
-        ``valid`` is ``[valid_loss, *metrics]`` (None: validation skipped).
+        ``valid`` is ``[valid_loss, *metrics]`` (None: validation skipped);
+        ``step``, when given, follows ``epoch`` (records inside an epoch).
         """
         train_names = [f"train_{n}" for n in self.train_metrics.names]
         if self._restored is not None:  # the sums from before a resume join in
@@ -426,6 +428,8 @@ class EpochTally:
         values = iter(to_floats(device, [*metrics, *(valid or [])]))
         means = finish(values)
         items = [("epoch", epoch), ("train_loss", means[0])]
+        if step is not None:
+            items.insert(1, ("step", step))
         trained = [next(values) for _ in metrics] or [None] * len(train_names)
         read_valid = [next(values) for _ in valid or []]
         names = ["valid_loss", *metric_names]

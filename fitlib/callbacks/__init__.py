@@ -23,6 +23,9 @@ every, once, first      (=)  filters take the order of the callback they wrap
 (your callbacks)         0   see unscaled gradients; values added to the
                              epoch record reach the monitors, the Recorder,
                              the loggers and the bar (40 and up)
+ValidationSchedule       0   any order: the loop reads what it sets
+                             (``skip_validate``, ``validate_now``) after
+                             the events
 ParamScheduler,         10   set the hyper-parameters of the next step after
 OneCycleScheduler,           each optimizer step; the LR finder also stops
 LRFinder                     the sweep
@@ -64,6 +67,7 @@ from fitlib.callbacks.tensorboard import TensorBoardLogger
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 from fitlib.callbacks.text_logger import TextLogger
 from fitlib.callbacks.train_stats import TrainStats
+from fitlib.callbacks.validation import ValidationSchedule
 
 __all__ = [
     "CSVLogger",
@@ -85,6 +89,7 @@ __all__ = [
     "TerminateOnNaN",
     "TextLogger",
     "TrainStats",
+    "ValidationSchedule",
     "constant",
     "cosine",
     "every",

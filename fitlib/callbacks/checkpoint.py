@@ -246,15 +246,22 @@ class Checkpoint(Callback):
     def on_batch_begin(
         self, train: bool, epoch: int, num_batch: int, iteration: int, step: int
     ) -> None:
-        """Runs first for each batch: saves when a checkpoint is due."""
-        if train and self._due:  # after a step: no gradients half accumulated
+        """Runs first for each batch: judges a validation inside the epoch;
+        saves when a checkpoint is due."""
+        if not train:
+            return
+        if self._judge is not None:  # the record of a validation just before
+            self._keep_best()
+        if self._due:  # after a step: no gradients half accumulated
             self._save(Position(epoch, num_batch, iteration, step))
 
-    def on_batch_end(self, train: bool) -> None:
+    def on_batch_end(self, train: bool, validate_now: bool) -> None:
         """Runs first after each batch: notes the RNG before the next is loaded."""
         # A save at the next batch's start comes after that batch was fetched,
         # which may draw random numbers (augmentation): resume from before it.
-        if train and self._due:
+        # So does a best.pth judged there, after a validation inside the epoch.
+        judges = validate_now and self.monitor is not None and self.save_best
+        if train and (self._due or judges):
             self._rng_before_fetch = get_rng_state(self._loader)
 
     def on_step_end(self, skip_step: bool, step: int) -> None:
@@ -268,18 +275,29 @@ class Checkpoint(Callback):
             self._due = True
 
     def on_epoch_end(
-        self, epoch: int, iteration: int, step: int, record: dict, data: Any
+        self,
+        epoch: int,
+        iteration: int,
+        step: int,
+        record: dict,
+        data: Any,
+        mid_epoch: bool,
+        num_batch: int,
     ) -> dict | None:
         """Runs after validation: notes the record to judge; ends a resumed epoch.
 
         The best checkpoint is judged once every callback's ``on_epoch_end``
-        ran (at the next epoch's start, or the end of training): the record
-        is then complete (later callbacks may add values to it) and every
-        callback's state is that of the epoch's end, as in a checkpoint saved
-        at that epoch boundary.
+        ran (at the next epoch's start, or the next batch's after a
+        validation inside the epoch, or the end of training): the record is
+        then complete (later callbacks may add values to it) and every
+        callback's state is that of the record's end, as in a checkpoint
+        saved there.
         """
         if self.monitor is not None and self.save_best:
-            self._judge = (record, Position(epoch + 1, 0, iteration, step))
+            where = (epoch, num_batch) if mid_epoch else (epoch + 1, 0)
+            self._judge = (record, Position(*where, iteration, step))
+        if mid_epoch:
+            return None  # the epoch goes on (a resumed one, in its batches)
         original = getattr(data, "resumed_from", None)
         return {"data": original} if original is not None else None
 
@@ -301,8 +319,10 @@ class Checkpoint(Callback):
 
     def _ended(self, epoch: int) -> bool:
         """Whether the epoch to judge ran all its ``on_epoch_end`` hooks (the
-        handler counts the epoch after them)."""
-        return self._judge is not None and self._judge[1].epoch == epoch
+        handler counts the epoch after them); a validation inside an epoch is
+        judged only at the next batch, or at a clean end."""
+        judge = self._judge
+        return judge is not None and judge[1].num_batch == 0 and judge[1].epoch == epoch
 
     def _keep_best(self) -> None:
         """Writes ``best.pth`` if the epoch noted in ``on_epoch_end`` improved."""

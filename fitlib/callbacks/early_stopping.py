@@ -20,6 +20,8 @@ from fitlib.serialization import host_copy
 from fitlib.sharding import load_model, model_state
 
 _STATE_KEYS = ("monitor", "wait", "best_epoch", "stopped_epoch")
+# Since validations inside epochs: the steps of those records (None without).
+_STEP_KEYS = ("best_step", "stopped_step")
 
 
 class EarlyStopping(Callback):
@@ -43,6 +45,11 @@ class EarlyStopping(Callback):
     are 0-based, as in the state and the progress table. When it stops, one
     line is printed at the end of training.
 
+    With validations inside epochs (``ValidationSchedule(every_n_steps=...)``)
+    each record with a value counts, so ``patience`` is in validations, and
+    training stops right after the validation that exceeds it; ``best_step``
+    and ``stopped_step`` say where in the epoch.
+
     Args:
         monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
         min_delta: the least change that counts as an improvement (>= 0).
@@ -60,6 +67,8 @@ class EarlyStopping(Callback):
         wait: the bad epochs in a row so far.
         best_epoch: the epoch of the best value, or None.
         stopped_epoch: the epoch after which it stopped training, or None.
+        best_step, stopped_step: the steps of those records, when records
+            carry their step (validations inside epochs), else None.
 
     Example:
         >>> stop = EarlyStopping("valid_loss", patience=2, restore_best=True)
@@ -98,6 +107,7 @@ class EarlyStopping(Callback):
         self.restore_best = restore_best
         self._fitting = False  # between this fit's on_train_begin and end
         self._stopped_now = False  # stopped in this fit: print at its end
+        self._at_step: int | None = None  # the step of the record being counted
         self.reset()
 
     def reset(self) -> None:
@@ -106,6 +116,8 @@ class EarlyStopping(Callback):
         self.wait = 0
         self.best_epoch: int | None = None
         self.stopped_epoch: int | None = None
+        self.best_step: int | None = None
+        self.stopped_step: int | None = None
         self.best_weights: dict[str, torch.Tensor] | None = None
 
     # -- hooks -----------------------------------------------------------------
@@ -131,6 +143,8 @@ class EarlyStopping(Callback):
         value = self.monitor.read(record)
         if value is None or epoch < self.start_from_epoch:
             return None
+        # Where this record is, for step() (whose signature subclasses keep).
+        self._at_step = record.get("step")
         if self.step(value, epoch, model):
             return {"stop_training": True}
         return None
@@ -148,10 +162,11 @@ class EarlyStopping(Callback):
 
     # -- the rule --------------------------------------------------------------
     def step(self, value: float, epoch: int, model: torch.nn.Module | None) -> bool:
-        """Takes one counted epoch's ``value`` into account; True to stop."""
+        """Takes one counted record's ``value`` into account; True to stop."""
+        at_step = getattr(self, "_at_step", None)  # the record's, inside epochs
         improved = self.monitor.update(value)
         if improved:
-            self.best_epoch = epoch
+            self.best_epoch, self.best_step = epoch, at_step
             if self.restore_best and model is not None:
                 # (a sharded model: gathered on rank 0, all ranks take part)
                 self.best_weights = host_copy(model_state(model))
@@ -161,7 +176,8 @@ class EarlyStopping(Callback):
         self.wait += 1
         if self.wait <= self.patience:
             return False
-        self.stopped_epoch, self._stopped_now = epoch, True
+        self.stopped_epoch, self.stopped_step = epoch, at_step
+        self._stopped_now = True
         return True
 
     def _beats_baseline(self, value: float) -> bool:
@@ -177,13 +193,16 @@ class EarlyStopping(Callback):
         if self.baseline is not None and not self._beats_baseline(best):
             why = f"did not beat baseline={self.baseline:.6g}"
         else:
-            why = f"did not improve for {self.wait} epoch(s)"
+            unit = "epoch(s)" if self.stopped_step is None else "validation(s)"
+            why = f"did not improve for {self.wait} {unit}"
         if self.best_epoch is None:
             best_text = "no best value (every value was NaN or infinite)"
         else:
-            best_text = f"best {name}={best:.6g} at epoch {self.best_epoch}"
+            where = _where(self.best_epoch, self.best_step)
+            best_text = f"best {name}={best:.6g} at {where}"
+        where = _where(self.stopped_epoch, self.stopped_step)
         text = (
-            f"{self.name}: stopped after epoch {self.stopped_epoch}: {name} {why} "
+            f"{self.name}: stopped after {where}: {name} {why} "
             f"(patience={self.patience}); {best_text}"
         )
         return text + ("; restored its weights" if restored else "")
@@ -196,6 +215,8 @@ class EarlyStopping(Callback):
             "wait": self.wait,
             "best_epoch": self.best_epoch,
             "stopped_epoch": self.stopped_epoch,
+            "best_step": self.best_step,
+            "stopped_step": self.stopped_step,
         }
         if self.restore_best:
             state["best_weights"] = self.best_weights
@@ -204,6 +225,9 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict) -> None:
         """Restores what ``state_dict`` returned."""
         expected = set(_STATE_KEYS) | ({"best_weights"} if self.restore_best else set())
+        # (a state saved before the steps were kept: without them)
+        if isinstance(state, dict) and set(_STEP_KEYS) <= set(state):
+            expected |= set(_STEP_KEYS)
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else state
             raise ValueError(
@@ -216,6 +240,8 @@ class EarlyStopping(Callback):
         self.wait = int(state["wait"])
         self.best_epoch = _int_or_none(state["best_epoch"])
         self.stopped_epoch = _int_or_none(state["stopped_epoch"])
+        self.best_step = _int_or_none(state.get("best_step"))
+        self.stopped_step = _int_or_none(state.get("stopped_step"))
         if self.restore_best:
             weights = state["best_weights"]
             self.best_weights = None if weights is None else dict(weights)
@@ -231,6 +257,11 @@ class EarlyStopping(Callback):
 
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
+
+
+def _where(epoch: int | None, step: int | None) -> str:
+    """``epoch 3``, or ``epoch 3 (step 1200)`` for a record inside an epoch."""
+    return f"epoch {epoch}" if step is None else f"epoch {epoch} (step {step})"
 
 
 def _check_baseline(baseline: Any) -> float | None:

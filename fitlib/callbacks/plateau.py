@@ -32,7 +32,10 @@ class ReduceLROnPlateau(Callback):
     as it was if that changes it by less than ``EPS`` = 1e-8, as torch does)
     and the next ``cooldown`` epochs count no bad epochs. An epoch in which
     the value was not computed (None in the record: validation skipped)
-    changes nothing.
+    changes nothing. With validations inside epochs
+    (``ValidationSchedule(every_n_steps=...)``) each validation counts as one
+    such epoch: ``patience`` and ``cooldown`` are then in validations, and the
+    lr is reduced right after the validation, in the middle of the epoch.
     The state resets when a fit starts; a resumed fit (one that begins with
     ``iteration > 0``) keeps what ``load_state_dict`` restored.
 
@@ -55,8 +58,8 @@ class ReduceLROnPlateau(Callback):
         verbose: print one line when the lr is reduced.
 
     Attributes:
-        reductions: the epochs (0-based, of the current fit) after which an
-            lr was reduced.
+        reductions: the epochs (0-based, of the current fit) after which (or
+            in which, after a validation inside it) an lr was reduced.
 
     Example:
         >>> plateau = ReduceLROnPlateau("valid_loss", factor=0.5, patience=2)
@@ -87,6 +90,7 @@ class ReduceLROnPlateau(Callback):
         self.cooldown = check_int(cooldown, "cooldown", owner=self.name, example=0)
         self.min_lr = _check_min_lr(min_lr)
         self.verbose = verbose
+        self._at_step: int | None = None  # the step of the record being counted
         self.reset()
 
     def reset(self) -> None:
@@ -116,11 +120,13 @@ class ReduceLROnPlateau(Callback):
         """Runs after validation: counts a bad epoch, reduces the lr after too many."""
         value = self.monitor.read(record)
         if value is not None:
+            self._at_step = record.get("step")  # (step()'s signature stays)
             self.step(value, opt, epoch)
 
     # -- the rule --------------------------------------------------------------
     def step(self, value: float, opt: Any, epoch: int) -> None:
-        """Takes one epoch's ``value`` into account; reduces the lr if due."""
+        """Takes one epoch's ``value`` into account (or one validation's inside
+        an epoch); reduces the lr if due."""
         if self.monitor.update(value):
             self.num_bad_epochs = 0
         else:
@@ -146,9 +152,13 @@ class ReduceLROnPlateau(Callback):
         opt.set("lr", new)  # exactly: lr * (n / lr) may round off n
         self.reductions.append(epoch)
         if self.verbose:
+            where, unit = f"epoch {epoch}", "epoch(s)"
+            at_step = getattr(self, "_at_step", None)
+            if at_step is not None:  # validations inside epochs
+                where, unit = f"{where} (step {at_step})", "validation(s)"
             print(
-                f"{self.name}: epoch {epoch}: {self.monitor.name}={value:.6g} has "
-                f"not improved for {self.patience + 1} epoch(s); lr {_fmt(old)} "
+                f"{self.name}: {where}: {self.monitor.name}={value:.6g} has "
+                f"not improved for {self.patience + 1} {unit}; lr {_fmt(old)} "
                 f"-> {_fmt(new)} (a schedule's later values are scaled alike)"
             )
 

@@ -86,18 +86,22 @@ class ProgressBar(Callback):
         """Runs at the start of each epoch."""
         self._smooth: torch.Tensor | None = None
         self._copy: HostCopy | None = None  # the copy of a redraw, not yet shown
+        self._trained = 0.0  # seconds the epoch's training bars ran
 
     def on_batch_end(
         self,
         train: bool,
         data: Any,
         smooth_loss: torch.Tensor | None,
+        num_batch: int,
     ) -> None:
         """Runs after each batch: redraws when time is up."""
         if train is not self._phase:
             # Opened here rather than in on_batch_begin: each hook a callback
-            # overrides costs a call per batch.
-            self._open_bar(train, data)
+            # overrides costs a call per batch. A training bar opened after a
+            # validation inside the epoch (or in a resumed epoch) starts where
+            # the epoch's training is.
+            self._open_bar(train, data, num_batch if train else 0)
         self._n += 1
         if train:
             self._smooth = smooth_loss
@@ -105,14 +109,16 @@ class ProgressBar(Callback):
         if now - self._last_draw >= self.refresh:
             self._draw(now)
 
-    def on_epoch_end(self, epoch: int, record: Record) -> None:
-        """Runs after validation: closes the child bar, writes the epoch's row
-        (the first with the header)."""
+    def on_epoch_end(self, epoch: int, record: Record, mid_epoch: bool) -> None:
+        """Runs after validation: closes the child bar, writes the record's row
+        (the first with the header); the epoch bar moves at an epoch's end."""
         self._close_bar()
         columns = [k for k in record if k != "lr"]
         if not self.rows:
             self._write(columns)
         self._write([_cell(k, record[k]) for k in columns])
+        if mid_epoch:  # a validation inside the epoch: its training goes on
+            return
         self.mb.update(min(epoch + 1, self._n_epochs))
         self._mb_open = epoch + 1 < self._n_epochs
 
@@ -131,14 +137,17 @@ class ProgressBar(Callback):
             self._mb_open = False
 
     # -- bars and rows ---------------------------------------------------------
-    def _open_bar(self, train: bool, data: Any) -> None:
+    def _open_bar(self, train: bool, data: Any, done: int = 0) -> None:
         self._close_bar()
         total = len_or_none(getattr(data, "train_dl" if train else "valid_dl", None))
         self.pb = self.mb.progress(None, total="noinfer" if total is None else total)
         self.pb.update_every = 0  # paced by `refresh` instead (see on_train_begin)
         self.pb.comment = self._comment if train else ""
-        self._phase, self._n, self._drawn = train, 0, 0
+        self._phase, self._n, self._drawn = train, done, done
         self.pb.update(0)
+        if done:  # the rate and the time left: over the epoch's training so far
+            self.pb.start_t -= self._trained
+            self.pb.update(done)
 
     def _draw(self, now: float, last: bool = False) -> None:
         self._last_draw = now
@@ -162,6 +171,8 @@ class ProgressBar(Callback):
         if self.pb.total is None or self._drawn != self._n or self._copy:
             self.pb.total = self._n if self.pb.total is None else self.pb.total
             self._draw(time.perf_counter(), last=True)
+        if self._phase:  # (fastprogress's clock: time.time)
+            self._trained = time.time() - self.pb.start_t
         if self._n < self.pb.total:  # stopped early: fastprogress would wait
             self.pb.on_iter_end()
         self.pb, self._phase = None, None
@@ -283,7 +294,7 @@ class _NoBar:
 
     def __init__(self, total: Any = None) -> None:
         self.total = None if total == "noinfer" else total
-        self.comment, self.update_every = "", 0
+        self.comment, self.update_every, self.start_t = "", 0, 0.0
 
     def update(self, val: int | None = None) -> None:
         pass
@@ -329,7 +340,7 @@ def _cell(name: str, value: Any) -> str:
     """A record value as the table shows it."""
     if value is None:
         return _NA
-    if name == "epoch":
+    if name in ("epoch", "step"):
         return str(value)
     if name == "time":
         return _fastprogress().format_time(value)

@@ -117,6 +117,10 @@ class Recorder(Callback):
     (their names, per epoch: fits may differ) and ``times`` (seconds).
     ``metric_names`` are the latest fit's metrics. ``epoch_table()`` gives
     the records themselves; values not computed (None in the record) are NaN.
+    An epoch that validates inside (``ValidationSchedule(every_n_steps=...)``)
+    has a row per record: per validation, each with its ``step``; its
+    ``train_losses`` are then the means since the previous row, and the plots
+    place rows at their iterations.
 
     Per-step points have a fixed budget, ``max_points``. Up to that many
     steps there is one point per step, the step's own values. One step more
@@ -170,15 +174,20 @@ class Recorder(Callback):
         # device tensors (see _flush).
         self._pending: list[tuple] = []
         self._smoother = LossSmoother()
-        # One row per epoch: its record, numbered across fits, lr left out.
+        # One row per record (per epoch, or per validation inside one): the
+        # record, its epoch numbered across fits, lr left out.
         self._rows: list[Record] = []
+        # Epochs ended so far, across fits: the number of the next row's epoch.
+        self._epochs_done = 0
         self.epoch_iterations: list[int] = []
         self.metric_names: list[str] = []
 
     # The per-epoch lists, read from the rows.
     @property
     def epochs(self) -> list[int]:
-        """The number of each epoch, counted across fits: 0, 1, 2..."""
+        """The epoch of each row, counted across fits: 0, 1, 2... (an epoch
+        that validated inside, ``ValidationSchedule(every_n_steps=...)``, has
+        a row per validation: 0, 0, 0, 1, ...)."""
         return [row["epoch"] for row in self._rows]
 
     @property
@@ -300,12 +309,14 @@ class Recorder(Callback):
             if len(self._pending) >= FLUSH_EVERY:  # bounded, also in endless epochs
                 self._flush()
 
-    def on_epoch_end(self, record: Record) -> None:
+    def on_epoch_end(self, record: Record, mid_epoch: bool) -> None:
         """Runs after validation: keeps the epoch's record (no host transfer:
         the steps' losses wait until they are read, or ``FLUSH_EVERY``)."""
         row = {k: math.nan if v is None else v for k, v in record.items()}
         del row["lr"]  # per step in lrs
-        row["epoch"] = len(self._rows)
+        row["epoch"] = self._epochs_done  # (counted across fits)
+        if not mid_epoch:  # after a validation inside it, the epoch goes on
+            self._epochs_done += 1
         self._rows.append(row)
         self.epoch_iterations.append(self._count - 1)
 
@@ -369,6 +380,7 @@ class Recorder(Callback):
         state |= {k: getattr(self, k) for k in _EPOCH_KEYS}  # new lists
         state["rows"] = [dict(row) for row in self._rows]
         state["metric_names"] = list(self.metric_names)
+        state["epochs_done"] = self._epochs_done
         state["smoother"] = [self._smoother.avg, self._smoother.n]
         state["steps_per_point"] = self._stride
         state["partial"] = None if self._part is None else asdict(self._part)
@@ -398,6 +410,8 @@ class Recorder(Callback):
         self._rows = [dict(r) for r in state.get("rows") or _rows_of(state)]
         self.epoch_iterations = list(state["epoch_iterations"])
         self.metric_names = list(state["metric_names"])
+        # (saved before validations inside epochs: each row ended its epoch)
+        self._epochs_done = state.get("epochs_done", len(self._rows))
         if "smoother" in state:  # the moving average of the fit in progress
             self._smoother.avg, self._smoother.n = state["smoother"]
         while len(self._points) + (self._part is not None) > self.max_points:
@@ -405,7 +419,8 @@ class Recorder(Callback):
 
     # -- reading ---------------------------------------------------------------
     def epoch_table(self) -> list[dict]:
-        """One dict per epoch: epoch, train_loss, valid_loss, each metric, time.
+        """One dict per record (per epoch, or per validation inside one):
+        epoch, train_loss, valid_loss, each metric, time.
 
         Each row has the metrics of its own epoch's fit, so rows of fits with
         different metrics have different keys.
@@ -435,13 +450,18 @@ class Recorder(Callback):
         """
         self._check_steps()
         steps = "raw" if self._stride == 1 else f"mean of {self._stride} steps"
+        mean = "train (row mean)" if self._inside_epochs() else "train (epoch mean)"
         return plots.losses(
             ax,
             self.iterations,
             {f"train ({steps})": self.losses, "train (smoothed)": self.smooth_losses},
             self.epoch_iterations,
-            {"train (epoch mean)": self.train_losses, "valid": self.valid_losses},
+            {mean: self.train_losses, "valid": self.valid_losses},
         )
+
+    def _inside_epochs(self) -> bool:
+        """Whether an epoch has several rows (validations inside epochs)."""
+        return len(set(self.epochs)) < len(self._rows)
 
     def plot_lr(self, show_moms: bool = False, ax: Any = None) -> Any:
         """The learning rate per step, and the momentum on a second panel.
@@ -493,7 +513,11 @@ class Recorder(Callback):
         for name in names:
             values = [row.get(name, math.nan) for row in self._rows]
             panels.setdefault(_panel_of(name), {})[name] = values
-        return plots.per_epoch(ax, self.epochs, panels, "plot_metrics")
+        if self._inside_epochs():  # several rows per epoch: at their steps
+            x, label = self.epoch_iterations, "iteration"
+        else:
+            x, label = self.epochs, "epoch"
+        return plots.per_epoch(ax, x, panels, "plot_metrics", xlabel=label)
 
     def plot_lr_find(
         self, skip_start: int = 5, skip_end: int = 5, ax: Any = None

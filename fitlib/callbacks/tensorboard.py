@@ -22,7 +22,7 @@ from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size, to_floats
 
 _HPARAM_TYPES = (bool, int, float, str)
-_NOT_METRICS = ("epoch", "lr", "time")
+_NOT_METRICS = ("epoch", "step", "lr", "time")
 # What a resumed fit needs; each is the attribute "_" + key.
 _STATE_KEYS = (
     "base", "epoch_base", "last_point", "interval", "peak_lr", "batch_size",
@@ -154,7 +154,9 @@ class TensorBoardLogger(Callback):
         """Runs after validation: writes the epoch's record as scalars (the
         values not computed, None, are left out)."""
         scalars = {"epoch": self._epoch_base + epoch}
-        scalars |= {k: v for k, v in record.items() if k != "epoch" and v is not None}
+        # (a record's step, inside epochs, is the x axis: not a scalar)
+        skip = ("epoch", "step")
+        scalars |= {k: v for k, v in record.items() if k not in skip and v is not None}
         for name, value in scalars.items():
             self.writer.add_scalar(f"epoch/{name}", value, self._base + step)
         # The HParams tab's metrics: the losses and metrics, not epoch/lr/time.

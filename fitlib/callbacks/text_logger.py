@@ -118,11 +118,14 @@ class TextLogger(Callback):
         if n and step % n == 0 and step > self._line_step:
             self._log_steps(step, epoch, opt)
 
-    def on_epoch_end(self, record: Record) -> None:
-        """Runs after validation: logs the epoch's record as a line."""
+    def on_epoch_end(self, record: Record, mid_epoch: bool) -> None:
+        """Runs after validation: logs the record as a line; after a
+        validation inside the epoch, training time counts again."""
         self._clock.pause()
         if self.logger.isEnabledFor(self.level):
             self.logger.log(self.level, _epoch_line(record))
+        if mid_epoch:
+            self._clock.resume()
 
     # -- lines -----------------------------------------------------------------
     def _log_steps(self, step: int, epoch: int, opt: Any) -> None:
@@ -172,9 +175,12 @@ def _epoch_line(record: Record) -> str:
     cells = [
         f"{name} {'n/a' if v is None else format(v, '.6g')}"
         for name, v in record.items()
-        if name not in ("epoch", "lr", "time")
+        if name not in ("epoch", "step", "lr", "time")
     ]
-    return f"epoch {record['epoch']}: {' '.join(cells)} time {record['time']:.2f}s"
+    where = f"epoch {record['epoch']}"
+    if "step" in record:  # records inside epochs (ValidationSchedule)
+        where += f" step {record['step']}"
+    return f"{where}: {' '.join(cells)} time {record['time']:.2f}s"
 
 
 def _as_logger(logger: Any) -> logging.Logger:

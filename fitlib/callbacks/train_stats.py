@@ -155,9 +155,13 @@ class TrainStats(Callback):
         if step % self.every_n_steps == 0 and step > self._last_step:
             self._report(step, model)
 
-    def on_epoch_end(self) -> None:
-        """Runs after validation: stops the training clock (if validation did not)."""
-        self._clock.pause()
+    def on_epoch_end(self, mid_epoch: bool) -> None:
+        """Runs after validation: stops the training clock (if validation did
+        not); after a validation inside the epoch, training time counts again."""
+        if mid_epoch:
+            self._clock.resume()
+        else:
+            self._clock.pause()
 
     # -- reports ---------------------------------------------------------------
     def _report(self, step: int, model: nn.Module) -> None:

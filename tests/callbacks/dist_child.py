@@ -26,6 +26,7 @@ from fitlib.callbacks import (
     GradientClipping,
     TerminateOnNaN,
     TrainStats,
+    ValidationSchedule,
 )
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.metrics import F1Score, accuracy
@@ -73,7 +74,8 @@ def model(plain: bool = False) -> nn.Module:
 
 
 def main(mode: str, out: Path) -> None:
-    """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny, nan; a
+    """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny, nan,
+    schedule (validations inside epochs); a
     prefix fsdp_ (or fsdp alone for plain) shards the model with FSDP2."""
     torch.set_num_threads(1)
     fsdp = mode.startswith("fsdp")
@@ -102,6 +104,8 @@ def main(mode: str, out: Path) -> None:
     nan = TerminateOnNaN(check_every=0)  # paced by batches: the same on both ranks
     if mode == "nan":
         callbacks += [NaNOnRank1(), nan]
+    if mode == "schedule":
+        callbacks.append(ValidationSchedule(every_n_steps=2))
     plain = mode in ("accumulate", "big")
     sgd = partial(torch.optim.SGD, momentum=0.9)  # a state to shard and resume
     learn = Learner(data, model(plain), F.cross_entropy, opt_func=sgd,
@@ -116,6 +120,9 @@ def main(mode: str, out: Path) -> None:
         "metrics": rec.metrics[-1],
         "world": ranks.world_size(),
         "nan": [nan.nan_iteration, nan.stop_iteration, rec.iterations],
+        "records": [
+            {k: v for k, v in r.items() if k != "time"} for r in rec.epoch_table()
+        ],
     }
     atomic_save(result, out / f"rank{ranks.rank()}.pth")
 

@@ -81,6 +81,15 @@ def test_reduced_validation_equals_one_process_over_the_whole_set(trained, mode)
         assert r["metrics"] == pytest.approx([acc.item(), f1.item()], rel=1e-12)
 
 
+def test_validations_inside_epochs_give_every_rank_the_same_records(trained):
+    # 96 samples by 16, halved per rank: 3 steps an epoch; a validation every 2.
+    r0, r1 = results(trained("schedule")[0])
+    steps = [(r["epoch"], r["step"]) for r in r0["records"]]
+    assert steps == [(0, 2), (0, 3), (1, 4), (1, 6), (2, 8), (2, 9)]
+    assert r0["records"] == r1["records"]  # losses and metrics over both ranks
+    assert all(r["valid_loss"] is not None for r in r0["records"])
+
+
 def test_logs_and_files_are_written_once(trained):
     out, run = trained("plain")
     lines = (out / "log.csv").read_text().splitlines()

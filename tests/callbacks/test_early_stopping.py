@@ -188,7 +188,7 @@ def test_the_state_holds_the_best_weights_as_tensors_when_restore_best():
     feed(cb, [1.0], model=model)
     state = round_trip(cb.state_dict())
     assert set(state) == {"monitor", "wait", "best_epoch", "stopped_epoch",
-                          "best_weights"}  # fmt: skip
+                          "best_step", "stopped_step", "best_weights"}  # fmt: skip
     assert torch.equal(state["best_weights"]["weight"], model.weight)
     other = EarlyStopping(restore_best=True)
     other.load_state_dict(state)
