@@ -315,7 +315,10 @@ def hand_written(model, train, valid, epochs, lr, autocast=None) -> None:
         _ = [float(total / n), float(vloss / m), float(correct / m)]
 
 
-def fitlib_fit(model, train, valid, epochs, lr, bf16=False, progress=False):
+def fitlib_fit(model, train, valid, epochs, lr, bf16=False, progress=False, fast=None):
+    """``fast``: None, or {"compile": bool}: the Learner's own one-call
+    channels_last (and compile, with ``dynamic=False`` as the hand-written
+    variant) on a plain model."""
     learn = Learner(
         DataBunch(train, valid, device=DEV),
         model,
@@ -325,6 +328,10 @@ def fitlib_fit(model, train, valid, epochs, lr, bf16=False, progress=False):
     )
     if bf16:
         learn.to_bf16()
+    if fast is not None:
+        learn.to_channels_last()
+        if fast["compile"]:
+            learn.compile(dynamic=False)
     with contextlib.redirect_stdout(io.StringIO()):
         learn.fit(epochs, lr=lr, wd=0.01)
 
@@ -394,8 +401,14 @@ def resnet_check(rounds: int, compile_: bool, out) -> None:
             f"hand-written {name}": lambda: hand_written(
                 net(**fast), train_cl, None, epochs, 1e-3, autocast=bf16
             ),
-            f"fitlib {name} (to_bf16)": lambda: fitlib_fit(
-                net(**fast), train_cl, None, epochs, 1e-3, bf16=True
+            f"fitlib {name} (to_bf16, to_channels_last, compile)": lambda: fitlib_fit(
+                net(),
+                train_cl,
+                None,
+                epochs,
+                1e-3,
+                bf16=True,
+                fast={"compile": compile_},
             ),
         }
         start = time.perf_counter()

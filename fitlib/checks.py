@@ -487,6 +487,15 @@ def explain_model_error(e: Exception, model: nn.Module, xb: Any) -> NoReturn:
     model become a TypeError, and other errors keep their type, with the
     input's shapes as a note.
     """
+    if any(k.__name__ == "BackendCompilerFailed" for k in type(e).__mro__):
+        said = str(e).strip().splitlines()[0]
+        raise RuntimeError(
+            f"torch.compile's backend could not compile the model ({said}). Fix: "
+            "compile with backend='aot_eager', which needs no C++ compiler "
+            "(learn.compile(backend='aot_eager'), Compile(backend='aot_eager')), "
+            "or train without Compile; on a CPU the default backend, inductor, "
+            "needs a working C++ compiler (g++)."
+        ) from e
     given = f"fitlib: the model was called with input {describe(xb)}"
     layer = _failing_layer(e, model) if type(e) in _PLAIN else None
     if layer is not None:

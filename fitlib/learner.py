@@ -28,6 +28,8 @@ from fitlib import metrics as fm
 from fitlib import ranks
 from fitlib.callback import Callback, CallbackHandler, callback_list
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.channels_last import ChannelsLast
+from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
@@ -136,6 +138,8 @@ class Learner:
             rate, from the body to the head; None is one group.
         train_bn: keep normalization layers trainable in frozen groups.
         progress: show progress bars and the results table.
+        compile: train through ``torch.compile`` (True, or a dict of its
+            arguments): the same as ``learn.compile(...)``.
 
     Example:
         >>> learn = Learner(DataBunch(train_dl, valid_dl), model,
@@ -159,6 +163,7 @@ class Learner:
         train_bn: bool = True,
         progress: bool = True,
         train_metrics: list | None = None,
+        compile: bool | dict = False,
     ) -> None:
         evaluation_only = getattr(data, "train_dl", 0) is None and (
             getattr(data, "valid_dl", None) is not None
@@ -189,6 +194,14 @@ class Learner:
         self.callbacks = callback_list(callbacks)
         self.recorder = Recorder()
         self.opt: HPOptimizer | None = None
+        if compile is True or isinstance(compile, dict):
+            self.compile(**(compile if isinstance(compile, dict) else {}))
+        elif compile is not False:
+            raise TypeError(
+                f"Learner: compile must be True, False or a dict of torch.compile's "
+                f"arguments; got {compile!r}. Fix: e.g. compile=True, or "
+                "compile={'mode': 'max-autotune'}."
+            )
 
     def __repr__(self) -> str:
         loss = name_of(self.loss_func)
@@ -688,6 +701,33 @@ class Learner:
     def to_fp32(self) -> Any:
         """Trains in full precision again (removes ``MixedPrecision``)."""
         self.callbacks = [cb for cb in self.callbacks if not _is_mp(cb)]
+        return self
+
+    def compile(self, **kwargs: Any) -> Any:
+        """Trains every later fit through ``torch.compile`` (``kwargs`` are its
+        arguments), the module compiled in place: saved files, checkpoints and
+        the best weights keep the plain module's keys. ``get_preds``,
+        ``predict`` and ``lr_find`` run the plain module. See ``Compile``.
+        Returns the Learner.
+
+        Example:
+            >>> learn = Learner(data, model).compile(mode="max-autotune")
+        """
+        compiler = Compile(**kwargs)  # checked before anything changes
+        self.callbacks = [cb for cb in self.callbacks if not isinstance(cb, Compile)]
+        self.callbacks.append(compiler)
+        return self
+
+    def to_channels_last(self) -> Any:
+        """Trains every later fit in the channels-last memory format: the
+        model's 4-D weights and each batch's 4-D inputs (see ``ChannelsLast``).
+        Returns the Learner.
+
+        Example:
+            >>> learn = Learner(data, resnet).to_channels_last().to_bf16()
+        """
+        self.callbacks = [c for c in self.callbacks if not isinstance(c, ChannelsLast)]
+        self.callbacks.append(ChannelsLast())
         return self
 
     def to_distributed(

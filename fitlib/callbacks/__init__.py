@@ -7,10 +7,14 @@ callback              order  why there
 ====================  =====  ================================================
 DistributedTrainer    -200   first: the model (DDP), device and sharded data
                              the others see are set here
+Compile               -190   compiles the model in place (inside the DDP
+                             wrapper that DistributedTrainer made)
 Checkpoint            -100   first: restores before the others begin; saves
                              at the start of a batch or epoch, when the
                              others have finished the previous one (best.pth
                              too, once the epoch's record is complete)
+ChannelsLast           -50   converts each batch before any other hook
+                             reads it
 GradientAccumulation   -30   first: decides whether this batch steps
                              (``skip_step``) and scales the loss; sets the
                              fit's ``n_steps`` before schedulers read it
@@ -44,8 +48,10 @@ SweepBar                     after the LRFinder (10): sees its stop
 """
 
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.channels_last import ChannelsLast
 from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
+from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.csv_logger import CSVLogger
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.early_stopping import EarlyStopping
@@ -71,7 +77,9 @@ from fitlib.callbacks.validation import ValidationSchedule
 
 __all__ = [
     "CSVLogger",
+    "ChannelsLast",
     "Checkpoint",
+    "Compile",
     "DistributedTrainer",
     "EarlyStopping",
     "GradientAccumulation",

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from fitlib import Callback, DataBunch, Learner, ranks
 from fitlib.callbacks import (
     Checkpoint,
+    Compile,
     CSVLogger,
     EarlyStopping,
     GradientAccumulation,
@@ -75,7 +76,7 @@ def model(plain: bool = False) -> nn.Module:
 
 def main(mode: str, out: Path) -> None:
     """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny, nan,
-    schedule (validations inside epochs); a
+    schedule (validations inside epochs), compile (aot_eager); a
     prefix fsdp_ (or fsdp alone for plain) shards the model with FSDP2."""
     torch.set_num_threads(1)
     fsdp = mode.startswith("fsdp")
@@ -106,6 +107,9 @@ def main(mode: str, out: Path) -> None:
         callbacks += [NaNOnRank1(), nan]
     if mode == "schedule":
         callbacks.append(ValidationSchedule(every_n_steps=2))
+    graphs = []  # what the compile backend was given (DDP: a graph per bucket)
+    if mode == "compile":  # the DDP wrapper compiled, as torch recommends
+        callbacks.append(Compile(backend=lambda gm, _: graphs.append(gm) or gm.forward))
     plain = mode in ("accumulate", "big")
     sgd = partial(torch.optim.SGD, momentum=0.9)  # a state to shard and resume
     learn = Learner(data, model(plain), F.cross_entropy, opt_func=sgd,
@@ -120,6 +124,7 @@ def main(mode: str, out: Path) -> None:
         "metrics": rec.metrics[-1],
         "world": ranks.world_size(),
         "nan": [nan.nan_iteration, nan.stop_iteration, rec.iterations],
+        "graphs": len(graphs),
         "records": [
             {k: v for k, v in r.items() if k != "time"} for r in rec.epoch_table()
         ],

@@ -90,6 +90,15 @@ def test_validations_inside_epochs_give_every_rank_the_same_records(trained):
     assert all(r["valid_loss"] is not None for r in r0["records"])
 
 
+def test_ddp_trains_compiled_as_it_trains_plain(trained):
+    plain, compiled = results(trained("plain")[0]), results(trained("compile")[0])
+    assert compiled[0]["graphs"] > 0 and compiled[1]["graphs"] > 0
+    for k, v in plain[0]["weights"].items():
+        assert torch.allclose(compiled[0]["weights"][k].float(), v.float(),
+                              rtol=1e-5, atol=1e-6), k  # fmt: skip
+    assert compiled[0]["valid_loss"] == pytest.approx(plain[0]["valid_loss"], rel=1e-5)
+
+
 def test_logs_and_files_are_written_once(trained):
     out, run = trained("plain")
     lines = (out / "log.csv").read_text().splitlines()
