@@ -64,7 +64,8 @@ record              at ``on_epoch_end``, the epoch's record: a dict of python
                     the loss parts
                     (``train_<part>``, ``valid_<part>``), the values callbacks
                     added, ``lr`` (of the last parameter group, as the epoch's
-                    last step used it) and ``time`` (the epoch's seconds), in
+                    last step used it) and ``time`` (the epoch's seconds, or since
+                    the previous record), in
                     that order; None where a value was not computed (e.g.
                     validation skipped). Read in one host transfer. A callback
                     adds values by returning ``{"record": {"name": value}}``
@@ -759,7 +760,7 @@ class CallbackHandler:
         state = self.state
         mid_epoch = state["mid_epoch"] = num_batch is not None
         if mid_epoch:  # the epoch's training goes on (validation counted its own)
-            state.update(num_batch=num_batch, train=True)
+            state.update(num_batch=num_batch, train=True, stop_epoch=False)
         state["last_metrics"] = val_metrics
         names = getattr(state["metrics"], "names", None) or []
         lr = step_lr(state["opt"])

@@ -488,7 +488,7 @@ def explain_model_error(e: Exception, model: nn.Module, xb: Any) -> NoReturn:
     input's shapes as a note.
     """
     if any(k.__name__ == "BackendCompilerFailed" for k in type(e).__mro__):
-        said = str(e).strip().splitlines()[0]
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise RuntimeError(
             f"torch.compile's backend could not compile the model ({said}). Fix: "
             "compile with backend='aot_eager', which needs no C++ compiler "

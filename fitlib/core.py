@@ -131,8 +131,8 @@ def fit_states(
     cleanly: ``on_train_end(None)`` runs. A ``break`` out of a ``for`` closes
     it when nothing else refers to it; if you keep it in a variable, call its
     ``close()`` (until then the Ctrl-C handler of the loop stays installed).
-    Arguments as for ``fit``; ``history``, a list, receives each epoch's
-    record as the epoch ends.
+    Arguments as for ``fit``; ``history``, a list, receives each record as
+    it is made (at each epoch's end, and at each validation inside one).
 
     Example:
         >>> for state in fit_states(None, model, loss_func, opt, data, max_steps=50):
@@ -203,10 +203,10 @@ def _end_record(
         # A loader draws a seed from torch's generator as it starts. The
         # epoch's own validation does, as in a hand-written loop; one inside
         # the epoch puts the generators back, or it would change the shuffles.
-        rng = get_rng_state() if mid_epoch else None
+        rng = get_rng_state(valid_dl) if mid_epoch else None
         results = validate(model, valid_dl, loss_func, cb_handler, metrics, batch_fn)
-        if rng is not None:
-            set_rng_state(rng)
+        if rng is not None:  # (a generator valid_dl shares with train_dl too)
+            set_rng_state(rng, valid_dl)
     return cb_handler.on_epoch_end(results, num_batch)
 
 

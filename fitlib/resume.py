@@ -314,7 +314,9 @@ def final_position(state: dict) -> Position | None:
     )
     if reached or state["stop_training"]:
         return Position(*counts, finished=True)
-    if state["train"] and not state["skip_step"]:  # between two steps
+    # Between two steps, and no validation asked for and not yet run (a
+    # checkpoint does not hold that request): resumable from here.
+    if state["train"] and not state["skip_step"] and not state["validate_now"]:
         return Position(state["epoch"], state["num_batch"], *counts[2:])
     return None
 

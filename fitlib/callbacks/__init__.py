@@ -5,6 +5,8 @@ Order of the built-in callbacks (lower runs first within an event):
 ====================  =====  ================================================
 callback              order  why there
 ====================  =====  ================================================
+ChannelsLast          -210   NHWC weights before DDP lays out its buckets;
+                             converts each batch before any other hook
 DistributedTrainer    -200   first: the model (DDP), device and sharded data
                              the others see are set here
 Compile               -190   compiles the model in place (inside the DDP
@@ -13,8 +15,6 @@ Checkpoint            -100   first: restores before the others begin; saves
                              at the start of a batch or epoch, when the
                              others have finished the previous one (best.pth
                              too, once the epoch's record is complete)
-ChannelsLast           -50   converts each batch before any other hook
-                             reads it
 GradientAccumulation   -30   first: decides whether this batch steps
                              (``skip_step``) and scales the loss; sets the
                              fit's ``n_steps`` before schedulers read it

@@ -31,7 +31,10 @@ class ChannelsLast(Callback):
         >>> fit(3, model, F.cross_entropy, opt, data, callbacks=[ChannelsLast()])
     """
 
-    order = -50  # first to touch the batch: every later hook sees it converted
+    # Before DistributedTrainer (-200): DDP's gradient buckets are laid out
+    # for the weights' strides as it wraps the model. First to touch the batch,
+    # too: every later hook sees it converted.
+    order = -210
 
     def __init__(self) -> None:
         self._checked = False

@@ -213,6 +213,7 @@ class Checkpoint(Callback):
         # The same objects all fit long: kept for the saves.
         self._model, self._opt, self._loader = model, opt, data.train_dl
         self._tally, self._judge = tally, None
+        self._noted = -1  # the iteration after which the RNG was last noted
         self._others = [cb for cb in callbacks if cb is not self]
         self._watch = StateWatch(self._others)  # warned at the first save
         self._due, self._resume, self._epoch_rng = False, None, None
@@ -255,7 +256,7 @@ class Checkpoint(Callback):
         if self._due:  # after a step: no gradients half accumulated
             self._save(Position(epoch, num_batch, iteration, step))
 
-    def on_batch_end(self, train: bool, validate_now: bool) -> None:
+    def on_batch_end(self, train: bool, validate_now: bool, iteration: int) -> None:
         """Runs first after each batch: notes the RNG before the next is loaded."""
         # A save at the next batch's start comes after that batch was fetched,
         # which may draw random numbers (augmentation): resume from before it.
@@ -263,6 +264,7 @@ class Checkpoint(Callback):
         judges = validate_now and self.monitor is not None and self.save_best
         if train and (self._due or judges):
             self._rng_before_fetch = get_rng_state(self._loader)
+            self._noted = iteration
 
     def on_step_end(self, skip_step: bool, step: int) -> None:
         """Runs after each step: a checkpoint falls due every n steps."""
@@ -296,6 +298,10 @@ class Checkpoint(Callback):
         if self.monitor is not None and self.save_best:
             where = (epoch, num_batch) if mid_epoch else (epoch + 1, 0)
             self._judge = (record, Position(*where, iteration, step))
+            if mid_epoch and self._noted != iteration - 1:
+                # Asked for after this callback's on_batch_end (by a later
+                # callback): the RNG as it is now, after the next batch's fetch.
+                self._rng_before_fetch = get_rng_state(self._loader)
         if mid_epoch:
             return None  # the epoch goes on (a resumed one, in its batches)
         original = getattr(data, "resumed_from", None)

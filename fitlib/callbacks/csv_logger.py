@@ -77,7 +77,7 @@ class CSVLogger(Callback):
         self._header: list[str] = []  # the file's, as read
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, iteration: int, epoch: int) -> None:
+    def on_train_begin(self, iteration: int, epoch: int, step: int) -> None:
         """Runs before training: prepares the file (and trims it on a resume)."""
         _check_path(self.path)
         _make_parent(self.path)
@@ -87,7 +87,10 @@ class CSVLogger(Callback):
             self._first_row = len(rows)
         else:
             rows, torn = self._read()
-            kept, self._first_row = _rows_before(rows, epoch, self._first_row)
+            # Rows of records inside an epoch carry their step: those before
+            # the resumed position stay (the resumed fit will not redo them).
+            where = (epoch, step, _column(self._header, "step"))
+            kept, self._first_row = _rows_before(rows, where, self._first_row)
             rows, changed = kept, torn or kept != rows
         if changed or not self.path.is_file():
             self._rewrite(rows)
@@ -173,20 +176,33 @@ class CSVLogger(Callback):
 
 
 def _rows_before(
-    rows: list[list[str]], epoch: int, first: int | None
+    rows: list[list[str]], where: tuple, first: int | None
 ) -> tuple[list[list[str]], int]:
-    """The rows to keep when resuming at ``epoch``, and where this fit's start.
+    """The rows to keep when resuming at ``where`` (epoch, step, and the step
+    column, or None), and where this fit's rows start.
 
     This fit's rows start at ``first`` (restored from the checkpoint); before
     that are earlier fits' rows, kept whatever their epochs. Without it, this
-    fit's rows are taken to be the trailing rows of epochs >= ``epoch``.
+    fit's rows are taken to be the trailing rows of epochs >= ``epoch``. Of
+    the resumed epoch, the rows of records at steps up to ``step`` stay.
     """
+    epoch, step, column = where
+
+    def before(row: list[str]) -> bool:
+        if int(row[0]) != epoch or column is None:
+            return int(row[0]) < epoch
+        return int(row[column]) <= step
+
     if first is None:
         first = len(rows)
         while first and int(rows[first - 1][0]) >= epoch:
             first -= 1
     first = min(first, len(rows))
-    return rows[:first] + [r for r in rows[first:] if int(r[0]) < epoch], first
+    return rows[:first] + [r for r in rows[first:] if before(r)], first
+
+
+def _column(header: list[str], name: str) -> int | None:
+    return header.index(name) if name in header else None
 
 
 def _check_path(path: Any) -> Path:

@@ -14,6 +14,11 @@ lets through:
   is the state's ``epoch == 0``) run: ``on_epoch_begin``, its training and
   validation batches, ``on_epoch_end``; other epochs run none.
 - ``first(cb)``: each hook runs the first time its event fires in a fit.
+
+With validations inside epochs (``ValidationSchedule(every_n_steps=...)``)
+``on_epoch_end`` fires at each record: a matching epoch's filter lets each of
+its records through, and ``first`` the first record, which may end at a
+validation inside the first epoch.
 - ``on_train_begin`` and ``on_train_end`` always run, so the wrapped callback
   can set up and clean up.
 
@@ -201,7 +206,8 @@ def first(callback: Callback) -> Filter:
     """Each of ``callback``'s hooks runs only the first time its event fires.
 
     Per fit: ``on_batch_end`` on the first training batch, ``on_epoch_end``
-    after the first epoch, and so on (``on_train_begin`` and ``on_train_end``
+    at the first record (the first epoch's end, or a validation inside it),
+    and so on (``on_train_begin`` and ``on_train_end``
     always run).
 
     Example:

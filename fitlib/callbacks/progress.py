@@ -146,7 +146,8 @@ class ProgressBar(Callback):
         self._phase, self._n, self._drawn = train, done, done
         self.pb.update(0)
         if done:  # the rate and the time left: over the epoch's training so far
-            self.pb.start_t -= self._trained
+            if hasattr(self.pb, "start_t"):  # (fastprogress's clock)
+                self.pb.start_t -= self._trained
             self.pb.update(done)
 
     def _draw(self, now: float, last: bool = False) -> None:
@@ -171,7 +172,7 @@ class ProgressBar(Callback):
         if self.pb.total is None or self._drawn != self._n or self._copy:
             self.pb.total = self._n if self.pb.total is None else self.pb.total
             self._draw(time.perf_counter(), last=True)
-        if self._phase:  # (fastprogress's clock: time.time)
+        if self._phase and hasattr(self.pb, "start_t"):  # fastprogress's clock
             self._trained = time.time() - self.pb.start_t
         if self._n < self.pb.total:  # stopped early: fastprogress would wait
             self.pb.on_iter_end()

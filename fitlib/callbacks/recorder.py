@@ -109,11 +109,12 @@ class Recorder(Callback):
     increasing); ``reset()`` clears it. After a fit, these are plain python
     lists: per point of the training curve ``lrs``, ``moms`` (None where the
     optimizer has no momentum), ``losses``, ``smooth_losses``, ``iterations``
-    and ``batch_sizes``; per epoch ``epochs``, ``epoch_iterations`` (the last
-    iteration of each epoch), ``train_losses``, ``valid_losses`` (NaN when
-    validation was skipped), ``metrics`` (one list per epoch: the record's
-    values other than epoch, losses, lr and time, i.e. the metrics, training
-    metrics, loss parts and values callbacks added), ``epoch_metric_names``
+    and ``batch_sizes``; per epoch (per record: see below) ``epochs``,
+    ``epoch_iterations`` (the last iteration of each), ``train_losses``,
+    ``valid_losses`` (NaN when validation was skipped), ``metrics`` (one list
+    per epoch: the record's values other than epoch, losses, lr and time,
+    i.e. the metrics, training metrics, loss parts and values callbacks
+    added), ``epoch_metric_names``
     (their names, per epoch: fits may differ) and ``times`` (seconds).
     ``metric_names`` are the latest fit's metrics. ``epoch_table()`` gives
     the records themselves; values not computed (None in the record) are NaN.
@@ -277,6 +278,10 @@ class Recorder(Callback):
         self._flush()  # an interrupted fit's steps, before the device may change
         if iteration == 0:  # each fit smooths afresh, as the loop does
             self._smoother = LossSmoother()  # (a resumed one continues)
+            if self._rows and self._rows[-1]["epoch"] == self._epochs_done:
+                # The last fit stopped inside an epoch, after a validation
+                # there: this fit's epochs are new ones.
+                self._epochs_done += 1
         self.metric_names = list(getattr(metrics, "names", []))
 
     def on_batch_end(

@@ -166,7 +166,12 @@ class TensorBoardLogger(Callback):
         self.writer.flush()
 
     def on_train_end(
-        self, exception: BaseException | None, step: int, epoch: int, opt: Any
+        self,
+        exception: BaseException | None,
+        step: int,
+        epoch: int,
+        opt: Any,
+        mid_epoch: bool,
     ) -> None:
         """Runs at the end, also after an error: writes the hparams, closes."""
         if self.writer is None:  # on_train_begin did not get to open it
@@ -181,7 +186,9 @@ class TensorBoardLogger(Callback):
         finally:
             self.writer.close()
             self.writer = None
-            self._done = (now, self._epoch_base + epoch)
+            # Stopped after a validation inside an epoch: that epoch is done
+            # with, for the numbers of the next fit's epochs.
+            self._done = (now, self._epoch_base + epoch + mid_epoch)
 
     # -- writing ---------------------------------------------------------------
     def _open_writer(self, purge_step: int) -> Any:

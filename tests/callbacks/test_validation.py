@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import Crash, make_data, make_model
 from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
 from fitlib.callbacks import (
@@ -110,14 +111,37 @@ def test_every_n_steps_ends_a_record_at_each_validation_inside_the_epoch():
     assert len(spy.batches) == 14  # every batch trained once, none twice
 
 
-def test_validations_inside_epochs_do_not_change_training():
+@pytest.mark.parametrize("shared", [False, True])
+def test_validations_inside_epochs_do_not_change_training(shared):
     runs = []
     for schedule in (ValidationSchedule(), ValidationSchedule(every_n_steps=2)):
-        history, spy = train(schedule, epochs=3, check=False)  # shuffled, dropout
+        data = make_data()
+        if shared:  # one generator for both loaders' orders, a common recipe
+            g = torch.Generator().manual_seed(0)
+            data = DataBunch(
+                DataLoader(data.train_dl.dataset, 16, shuffle=True, generator=g),
+                DataLoader(data.valid_dl.dataset, 16, shuffle=True, generator=g),
+                device="cpu",
+            )
+        history, spy = train(schedule, epochs=3, check=False, data=data)
         runs.append(([loss for loss, *_ in spy.batches], history[-1]))
     (losses_a, last_a), (losses_b, last_b) = runs
     assert losses_a == losses_b  # the same batches, in the same order
     assert last_a["valid_loss"] == last_b["valid_loss"]
+
+
+def test_a_validation_cut_short_does_not_cut_the_training_short():
+    class OneValidationBatch(Callback):
+        def on_batch_end(self, train):
+            if not train:
+                return {"stop_epoch": True}
+
+    history, spy = train(ValidationSchedule(every_n_steps=3),
+                         callbacks=[OneValidationBatch()])  # fmt: skip
+    assert len(spy.batches) == 14
+    assert [(r["epoch"], r["step"]) for r in history] == [
+        (0, 3), (0, 6), (0, 7), (1, 9), (1, 12), (1, 14),
+    ]  # fmt: skip
 
 
 def test_training_goes_on_in_train_mode_after_a_validation_inside_the_epoch():
@@ -192,6 +216,27 @@ def test_the_training_bar_goes_on_from_where_the_epoch_is(capsys):
     assert 1 not in after and 2 not in after  # not started over
     assert {3, 4, 5, 6, 7} <= set(after)
     assert "Epoch 1/1" in out and "Epoch 2/" not in out  # the epoch bar: 1 epoch
+
+
+def test_a_fit_stopped_inside_an_epoch_leaves_the_next_fit_a_new_epoch(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    from fitlib.callbacks import TensorBoardLogger
+
+    rec, tb = Recorder(), TensorBoardLogger(tmp_path)
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False,
+                    opt_func=torch.optim.SGD, callbacks=[rec, tb])  # fmt: skip
+    stop = EarlyStopping("score", mode="max", patience=1)
+    learn.fit(3, lr=0.1, callbacks=[ValidationSchedule(every_n_steps=2),
+                                    Score(lambda step: 1.0), stop])  # fmt: skip
+    learn.fit(1, lr=0.1)  # stopped at step 6 of epoch 0: this is epoch 1
+    assert rec.epochs == [0, 0, 0, 1]
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [p.value for p in events.Scalars("epoch/epoch")] == [0, 0, 0, 1]
 
 
 def test_recorder_plots_records_inside_epochs_at_their_iterations():
@@ -294,15 +339,16 @@ def learner(callbacks=()):
     )
 
 
-@pytest.mark.parametrize("crashes", [[3], [4, 10]])
+@pytest.mark.parametrize("crashes", [[3], [4, 10], [6], [7, 12]])
 def test_a_run_resumed_after_validations_inside_epochs_is_exact(tmp_path, crashes):
     torch.manual_seed(0)
-    ref = learner()
+    ref = learner([CSVLogger(tmp_path / "ref.csv")])
     ref.fit(2, lr=0.1)
     for at in [*crashes, None]:  # killed after batch `at`, then rerun
         torch.manual_seed(0)
         extra = [Crash(at)] if at is not None else []
-        learn = learner([Checkpoint(tmp_path, every_n_steps=2), *extra])
+        log = CSVLogger(tmp_path / "run.csv")
+        learn = learner([Checkpoint(tmp_path, every_n_steps=2), log, *extra])
         try:
             learn.fit(2, lr=0.1)
         except RuntimeError:
@@ -314,10 +360,38 @@ def test_a_run_resumed_after_validations_inside_epochs_is_exact(tmp_path, crashe
 
     assert table(learn) == table(ref)
     assert len(table(ref)) == 6 and ref.recorder.epochs == [0, 0, 0, 1, 1, 1]
+
+    def rows(name):  # the CSV file: every record once, time left out
+        lines = (tmp_path / name).read_text().splitlines()
+        return [line.rsplit(",", 1)[0] for line in lines]
+
+    assert rows("run.csv") == rows("ref.csv") and len(rows("ref.csv")) == 7
     assert learn.recorder.losses == ref.recorder.losses
     for a, b in zip(learn.model.state_dict().values(), ref.model.state_dict().values(),
                     strict=True):  # fmt: skip
         assert torch.equal(a, b)
+
+
+def test_a_fit_closed_while_a_validation_is_pending_resumes_with_it(tmp_path):
+    torch.manual_seed(0)
+    ref = learner()
+    for _ in ref.fit_snapshots(n_steps=14, every=3):
+        pass
+    torch.manual_seed(0)
+    learn = learner([Checkpoint(tmp_path, every_n_steps=2)])
+    for _ in learn.fit_snapshots(n_steps=14, every=3):
+        break  # at step 3, whose validation was asked for and has not run
+    torch.manual_seed(0)
+    resumed = learner([Checkpoint(tmp_path, every_n_steps=2)])
+    for _ in resumed.fit_snapshots(n_steps=14, every=3):
+        pass
+
+    def table(learn):
+        return [{k: v for k, v in r.items() if k != "time"}
+                for r in learn.recorder.epoch_table()]  # fmt: skip
+
+    assert table(resumed) == table(ref)
+    assert [r["step"] for r in table(ref)] == [3, 6, 7, 9, 12, 14]
 
 
 # -- bad input ---------------------------------------------------------------------
