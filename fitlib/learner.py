@@ -28,7 +28,7 @@ from fitlib import metrics as fm
 from fitlib import ranks
 from fitlib.callback import Callback, CallbackHandler, callback_list
 from fitlib.callbacks.accumulation import GradientAccumulation
-from fitlib.callbacks.channels_last import ChannelsLast
+from fitlib.callbacks.channels_last import ChannelsLast, check_convolutional
 from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
@@ -726,6 +726,7 @@ class Learner:
         Example:
             >>> learn = Learner(data, resnet).to_channels_last().to_bf16()
         """
+        check_convolutional(self.model)  # refused now, not at the next fit
         self.callbacks = [c for c in self.callbacks if not isinstance(c, ChannelsLast)]
         self.callbacks.append(ChannelsLast())
         return self

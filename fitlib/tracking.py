@@ -12,7 +12,7 @@ from typing import Any
 from fitlib.checks import check_int
 
 # RunningLoss and step_lr live with the epoch record; imported from here too.
-from fitlib.record import RunningLoss, step_lr  # noqa: F401
+from fitlib.record import RunningLoss, step_lr, to_floats  # noqa: F401
 
 
 class TrainClock:
@@ -57,6 +57,18 @@ class TrainClock:
         if self._since is not None:
             self._since = time.perf_counter()
         return seconds
+
+
+def read_into(interval: list, unread: list) -> None:
+    """Adds ``unread`` (a list of (device loss, batch size), emptied) to
+    ``interval`` ([weighted loss sum, samples]), read in one host transfer:
+    the loggers' per-step points."""
+    batches = unread[:]
+    unread.clear()
+    values = to_floats([loss for loss, _ in batches])
+    for value, (_, size) in zip(values, batches, strict=True):
+        interval[0] += value * size
+        interval[1] += size
 
 
 def check_every_n_steps(value: Any, owner: str, allow_none: bool = False) -> Any:

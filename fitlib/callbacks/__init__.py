@@ -41,7 +41,8 @@ Recorder                50   after callbacks that change the loss or hyper-
                              params, so it records the final values
 CSVLogger,              55   after the Recorder: write each epoch's final
 TextLogger,                  values and the lr each step used
-TensorBoardLogger
+TensorBoardLogger,
+MLflowLogger
 ProgressBar,            60   after Recorder: shows what the epoch ended with;
 SweepBar                     after the LRFinder (10): sees its stop
 ====================  =====  ================================================
@@ -58,6 +59,7 @@ from fitlib.callbacks.early_stopping import EarlyStopping
 from fitlib.callbacks.filters import every, first, once
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
+from fitlib.callbacks.mlflow_logger import MLflowLogger
 from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.progress import ProgressBar, SweepBar
@@ -85,6 +87,7 @@ __all__ = [
     "GradientAccumulation",
     "GradientClipping",
     "LRFinder",
+    "MLflowLogger",
     "MixedPrecision",
     "OneCycleScheduler",
     "ParamScheduler",

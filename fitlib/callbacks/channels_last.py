@@ -41,14 +41,7 @@ class ChannelsLast(Callback):
 
     def on_train_begin(self, model: nn.Module) -> None:
         """Runs before training: converts the model's 4-D weights."""
-        weights = [p for p in model.parameters() if p.dim() == 4]
-        if not weights:
-            shapes = sorted({tuple(p.shape) for p in model.parameters()}, key=len)
-            raise ValueError(
-                f"ChannelsLast: the model has no 4-D weights (convolutions), only "
-                f"shapes {shapes[:5]}: channels-last would change nothing. Fix: "
-                "leave ChannelsLast (to_channels_last) out for this model."
-            )
+        check_convolutional(model)
         model.to(memory_format=torch.channels_last)
         self._checked = False
 
@@ -67,6 +60,17 @@ class ChannelsLast(Callback):
                 "ChannelsLast (to_channels_last) out for this data."
             )
         self._checked = True
+
+
+def check_convolutional(model: nn.Module) -> None:
+    """A ValueError unless ``model`` has 4-D weights (2-D convolutions)."""
+    if not any(p.dim() == 4 for p in model.parameters()):
+        shapes = sorted({tuple(p.shape) for p in model.parameters()}, key=len)
+        raise ValueError(
+            f"ChannelsLast: the model has no 4-D weights (convolutions), only "
+            f"shapes {shapes[:5]}: channels-last would change nothing. Fix: "
+            "leave ChannelsLast (to_channels_last) out for this model."
+        )
 
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int
 from fitlib.optim import HPOptimizer
-from fitlib.record import Record, batch_size, to_floats
+from fitlib.record import Record, batch_size
+from fitlib.tracking import read_into
 
 _HPARAM_TYPES = (bool, int, float, str)
 _NOT_METRICS = ("epoch", "step", "lr", "time")
@@ -205,11 +206,7 @@ class TensorBoardLogger(Callback):
 
     def _read(self) -> None:
         """Moves the unread losses into the interval's sums (one transfer)."""
-        batches, self._unread = self._unread, []
-        values = to_floats([loss for loss, _ in batches])
-        for value, (_, size) in zip(values, batches, strict=True):
-            self._interval[0] += value * size
-            self._interval[1] += size
+        read_into(self._interval, self._unread)
 
     def _write_point(self, now: int, lr: Any) -> None:
         self._read()

@@ -78,6 +78,10 @@ def test_a_model_without_4d_weights_is_refused_before_training():
     opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="no 4-D weights"):
         fit(1, model, F.cross_entropy, opt, data(), [ChannelsLast()])
+    learn = Learner(data(), model, F.cross_entropy, progress=False)
+    with pytest.raises(ValueError, match="no 4-D weights"):
+        learn.to_channels_last()  # at once, and the Learner left as it was
+    assert not any(isinstance(cb, ChannelsLast) for cb in learn.callbacks)
 
 
 def test_inputs_without_a_4d_tensor_are_refused_with_their_shapes():
