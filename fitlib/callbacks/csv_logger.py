@@ -1,4 +1,5 @@
-"""``CSVLogger``: one row per epoch in a CSV file, durable after each row.
+"""``CSVLogger``: one row per record (per epoch, or per validation inside one)
+in a CSV file, durable after each row.
 
 Each row is flushed and fsynced as it is written, so a crash loses at most
 the row being written. After a resume (a fit that begins with
@@ -26,7 +27,8 @@ _OLD_STATE_KEYS = ("first_row", "epoch", "epoch_loss", "epoch_seconds")
 
 
 class CSVLogger(Callback):
-    """Writes a row per epoch: the epoch's record (epoch, train_loss,
+    """Writes a row per record (per epoch, or per validation inside one, then
+    with its step): the record (epoch, train_loss,
     valid_loss, the metrics, every value added to the record, lr, time).
 
     ``train_loss`` is the sample-weighted mean of the epoch's training

@@ -22,7 +22,7 @@ from fitlib.record import Record, batch_size
 from fitlib.tracking import read_into
 
 # What a resumed fit needs (run, step offset, the interval in progress).
-_STATE_KEYS = ("run_id", "base", "fits", "interval", "last_point")
+_STATE_KEYS = ("run_id", "base", "epoch_base", "fits", "interval", "last_point")
 _HYPERS = ("lr", "mom", "wd", "beta")
 
 
@@ -114,7 +114,8 @@ class MLflowLogger(Callback):
         self._last_point = 0  # global step of the latest step/ point
         self._unread: list[tuple[torch.Tensor, int]] = []
         self._logged = (-1, -1)  # (step/, epoch/) steps already in the store
-        self._done = 0  # global step where the previous fit ended
+        self._done = (0, 0)  # global (step, epoch) where the previous fit ended
+        self._epoch_base = 0  # epochs of earlier fits: epoch/epoch counts on
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, iteration: int, step: int, **state: Any) -> None:
@@ -129,7 +130,8 @@ class MLflowLogger(Callback):
             self._start_run(state["model"])
         else:  # a later fit of this logger: its steps count on
             self._reopen()
-            self._base = self._last_point = self._done
+            self._base, self._epoch_base = self._done
+            self._last_point = self._base
         self._fits += 1
         self._unread, self._interval = [], [0.0, 0]
         prefix = "" if self._fits == 1 else f"fit{self._fits}."
@@ -153,20 +155,27 @@ class MLflowLogger(Callback):
         if now <= self._logged[1]:
             return  # logged by the process that this fit resumes
         stamp = _now_ms()
+        values = {**record, "epoch": self._epoch_base + record["epoch"]}
         metrics = [
             _metric(f"epoch/{k}", v, stamp, now)
-            for k, v in record.items()
+            for k, v in values.items()
             if v is not None and k != "step"
         ]
         self._send(metrics=metrics)
 
     def on_train_end(
-        self, exception: BaseException | None, callbacks: list, step: int
+        self,
+        exception: BaseException | None,
+        callbacks: list,
+        step: int,
+        epoch: int,
+        mid_epoch: bool,
     ) -> None:
         """Runs at the end, also after an error: the run's status, artifacts."""
         if self.client is None or self.run_id is None:
             return
-        self._done = self._base + step
+        # (stopped after a validation inside an epoch: that epoch is done with)
+        self._done = (self._base + step, self._epoch_base + epoch + mid_epoch)
         try:
             if self.log_checkpoints:
                 self._log_checkpoints(callbacks)
@@ -295,6 +304,7 @@ class MLflowLogger(Callback):
         return {
             "run_id": self.run_id,
             "base": self._base,
+            "epoch_base": self._epoch_base,
             "fits": self._fits,
             "interval": list(self._interval),
             "last_point": self._last_point,
@@ -309,6 +319,7 @@ class MLflowLogger(Callback):
                 "MLflowLogger.state_dict() returned."
             )
         self.run_id, self._base = state["run_id"], int(state["base"])
+        self._epoch_base = int(state["epoch_base"])
         self._fits, self._last_point = int(state["fits"]), int(state["last_point"])
         self._interval, self._unread = list(state["interval"]), []
 

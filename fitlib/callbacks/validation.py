@@ -110,3 +110,9 @@ class ValidationSchedule(Callback):
         if n is not None and done % n == 0 and epoch >= self.start_epoch:
             return {"validate_now": True}
         return None
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.name}(every_n_epochs={self.every_n_epochs}, every_n_steps="
+            f"{self.every_n_steps}, start_epoch={self.start_epoch})"
+        )
