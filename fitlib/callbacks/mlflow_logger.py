@@ -116,6 +116,7 @@ class MLflowLogger(Callback):
         self._logged = (-1, -1)  # (step/, epoch/) steps already in the store
         self._done = (0, 0)  # global (step, epoch) where the previous fit ended
         self._epoch_base = 0  # epochs of earlier fits: epoch/epoch counts on
+        self._fitting = False  # between this fit's on_train_begin and its end
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, iteration: int, step: int, **state: Any) -> None:
@@ -125,6 +126,7 @@ class MLflowLogger(Callback):
         if iteration > 0 and self.run_id is not None:
             self._reopen()  # Checkpoint restored our state: the run goes on
             self._logged = self._last_logged()
+            self._fitting = True
             return
         if self.run_id is None:
             self._start_run(state["model"])
@@ -136,6 +138,7 @@ class MLflowLogger(Callback):
         self._unread, self._interval = [], [0.0, 0]
         prefix = "" if self._fits == 1 else f"fit{self._fits}."
         self._log_params(state, prefix)
+        self._fitting = True
 
     def on_batch_end(
         self, train: bool, step: int, last_loss: torch.Tensor, last_target: Any,
@@ -172,8 +175,9 @@ class MLflowLogger(Callback):
         mid_epoch: bool,
     ) -> None:
         """Runs at the end, also after an error: the run's status, artifacts."""
-        if self.client is None or self.run_id is None:
+        if not self._fitting:  # this fit failed before our on_train_begin ran
             return
+        self._fitting = False
         # (stopped after a validation inside an epoch: that epoch is done with)
         self._done = (self._base + step, self._epoch_base + epoch + mid_epoch)
         try:

@@ -215,6 +215,26 @@ def test_a_fit_that_fails_ends_its_run_failed_or_killed(tmp_path, error, status)
     assert run.info.status == status
 
 
+def test_a_fit_that_fails_before_the_logger_starts_leaves_its_run_alone(tmp_path):
+    class FailsFirst(Callback):
+        order = -300  # before every built-in
+
+        def on_train_begin(self):
+            raise RuntimeError("before anything")
+
+    uri = f"sqlite:///{tmp_path / 'runs.db'}"
+    logger = MLflowLogger(uri, experiment="e")
+    learn = learner([logger])
+    learn.fit(1, lr=0.1)
+    with pytest.raises(RuntimeError, match="before anything"):
+        learn.fit(1, lr=0.1, callbacks=[FailsFirst()])
+    learn.fit(1, lr=0.1)
+    client = MlflowClient(uri)
+    (run,) = runs_of(client, "e")
+    assert run.info.status == "FINISHED"
+    assert [s for s, _ in history(client, run.info.run_id, "epoch/epoch")] == [7, 14]
+
+
 def test_a_deleted_experiment_is_refused_with_the_fix(tmp_path):
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
     client = MlflowClient(uri)
