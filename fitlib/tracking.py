@@ -59,6 +59,12 @@ class TrainClock:
         return seconds
 
 
+def last_lr(opt: Any) -> Any:
+    """The lr of the last group's latest step (as it is now, before any step)."""
+    stepped = getattr(opt, "stepped", None)  # HPOptimizer notes it in step()
+    return stepped[0] if stepped else opt.param_groups[-1]["lr"]
+
+
 def read_into(interval: list, unread: list) -> None:
     """Adds ``unread`` (a list of (device loss, batch size), emptied) to
     ``interval`` ([weighted loss sum, samples]), read in one host transfer:

@@ -19,7 +19,7 @@ from fitlib.checks import check_int
 from fitlib.errors import name_of
 from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size
-from fitlib.tracking import read_into
+from fitlib.tracking import last_lr, read_into
 
 # What a resumed fit needs (run, step offset, the interval in progress).
 _STATE_KEYS = ("run_id", "base", "epoch_base", "fits", "interval", "last_point")
@@ -276,7 +276,7 @@ class MLflowLogger(Callback):
         if now <= self._logged[0]:
             return  # logged by the process that this fit resumes
         stamp = _now_ms()
-        metrics = [_metric("step/lr", _last_lr(opt), stamp, now)]
+        metrics = [_metric("step/lr", last_lr(opt), stamp, now)]
         if n:
             metrics.append(_metric("step/loss", total / n, stamp, now))
         self._send(metrics=metrics)
@@ -458,10 +458,3 @@ def _now_ms() -> int:
 def _device(model: Any) -> str:
     param = next(iter(model.parameters()), None)
     return "cpu" if param is None else str(param.device)
-
-
-def _last_lr(opt: Any) -> float:
-    """The lr of the last group's latest step."""
-    stepped = getattr(opt, "stepped", None)  # HPOptimizer notes it in step()
-    lr = stepped[0] if stepped else opt.param_groups[-1]["lr"]
-    return float(lr)

@@ -20,6 +20,7 @@ from fitlib.callback import Callback
 from fitlib.checks import check_int
 from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size
+from fitlib.tracking import last_lr as _last_lr
 from fitlib.tracking import read_into
 
 _HPARAM_TYPES = (bool, int, float, str)
@@ -259,12 +260,6 @@ class TensorBoardLogger(Callback):
         return (
             f"{self.name}(log_dir={self.log_dir!r}, every_n_steps={self.every_n_steps})"
         )
-
-
-def _last_lr(opt: Any) -> Any:
-    """The lr of the last group's latest step (as it is now, before any step)."""
-    stepped = getattr(opt, "stepped", None)  # HPOptimizer notes it in step()
-    return stepped[0] if stepped else opt.param_groups[-1]["lr"]
 
 
 def _auto_hparams(
