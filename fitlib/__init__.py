@@ -4,7 +4,9 @@ from fitlib import metrics, sequences
 from fitlib.callback import Callback, CallbackHandler
 from fitlib.core import DataBunch, fit, fit_states, loss_batch, validate
 from fitlib.core import iter_fit as iter_fit  # deprecated: the former fit_states
+from fitlib.gan import GANLoss, GANModule, GANOutput
 from fitlib.learner import Learner
+from fitlib.multi_optimizer import MultiOptimizer
 from fitlib.optim import HPOptimizer
 
 __version__ = "0.1.0"
@@ -12,8 +14,12 @@ __all__ = [
     "Callback",
     "CallbackHandler",
     "DataBunch",
+    "GANLoss",
+    "GANModule",
+    "GANOutput",
     "HPOptimizer",
     "Learner",
+    "MultiOptimizer",
     "fit",
     "fit_states",
     "loss_batch",

@@ -109,7 +109,14 @@ would do nothing:
 ==================  ==========================================================
 key                 may be returned in
 ==================  ==========================================================
-model               ``on_train_begin`` (wrap it, e.g. in DDP)
+model, opt,         ``on_train_begin``, ``on_epoch_begin``, ``on_batch_begin``,
+loss_func, metrics  ``on_batch_end``, ``on_epoch_end``: the loop reads the
+                    model, optimizer and loss as each training batch starts
+                    (after ``on_batch_begin``), the metrics at each
+                    validation; validation runs the model returned (a
+                    wrapper of the fit's model, DDP, validates the model
+                    itself); an optimizer gets the loss scaler of the one it
+                    replaces; metrics keep their names
 data                any event but ``on_train_end``: ``train_dl`` is read at
                     each epoch's start, ``valid_dl`` before its validation
 n_steps, epoch,     ``on_train_begin`` (the plan, or a resumed position)
@@ -133,9 +140,9 @@ skip_validate       ``on_epoch_begin`` and the batch events
 validate_now        the batch events
 ==================  ==========================================================
 
-``opt``, ``loss_func``, ``metrics``, ``train_metrics``, ``callbacks``,
-``n_epochs``, ``train``, ``smooth_loss``, ``last_loss_parts``, ``tally`` and
-``mid_epoch`` are read only; ``on_train_end`` returns nothing.
+``train_metrics``, ``callbacks``, ``n_epochs``, ``train``, ``smooth_loss``,
+``last_loss_parts``, ``tally`` and ``mid_epoch`` are read only;
+``on_train_end`` returns nothing.
 """
 
 from __future__ import annotations
@@ -151,8 +158,11 @@ from typing import Any
 import torch
 
 from fitlib import ranks
+from fitlib.checks import check_trainable
 from fitlib.dispatch import hook_caller, receives
 from fitlib.errors import add_note
+from fitlib.metrics import Metrics
+from fitlib.multi_optimizer import as_optimizer
 from fitlib.record import (
     EpochTally,
     Record,
@@ -219,8 +229,17 @@ _FIT_EVENTS = EVENTS[:-1]  # all but on_train_end, after which nothing reads
 # The events after which the loop (or a later callback) reads each key a hook
 # may return; the other keys are read only: the loop keeps its own reference
 # (opt, loss_func, metrics...) or owns the value (train, smooth_loss).
+# The loop reads model, opt and loss_func as each training batch starts (after
+# on_batch_begin), metrics at each validation: a swap takes effect from there.
+_SWAP_EVENTS = ("on_train_begin", "on_epoch_begin", "on_batch_begin",
+                "on_batch_end", "on_epoch_end")  # fmt: skip
+_SWAPPABLE = frozenset(("model", "opt", "loss_func", "metrics"))
+
 WRITABLE: dict[str, tuple[str, ...]] = {
-    "model": ("on_train_begin",),  # wrapped (DDP) before training starts
+    "model": _SWAP_EVENTS,  # wrapped (DDP) before training, or another model
+    "opt": _SWAP_EVENTS,
+    "loss_func": _SWAP_EVENTS,
+    "metrics": _SWAP_EVENTS,  # with the same names (the record's columns)
     "data": _FIT_EVENTS,  # train_dl is read at each epoch, valid_dl after it
     "n_steps": ("on_train_begin",),
     "max_steps": _FIT_EVENTS,
@@ -468,7 +487,9 @@ def _check_hyper_owners(callbacks: list[Callback]) -> None:
     for cb in callbacks:
         inner = getattr(cb, "callback", cb)  # a filter (every, once) wraps one
         for name in getattr(inner, "sets_hypers", ()):
-            if name in owners:
+            clash = [n for n in owners if _same_hyper(n, name)]
+            if clash:
+                name = clash[0]
                 raise ValueError(
                     f"{owners[name].name} and {inner.name} both set {name!r} at "
                     "every step: the later would silently overwrite the earlier. "
@@ -477,6 +498,45 @@ def _check_hyper_owners(callbacks: list[Callback]) -> None:
                     "mom); ReduceLROnPlateau composes with a schedule."
                 )
             owners[name] = inner
+
+
+def _check_model(owner: str, old: Any, new: Any, event: str) -> torch.nn.Module:
+    if not isinstance(new, torch.nn.Module):
+        raise TypeError(
+            f"{owner} returned model={type(new).__name__}; a model is an "
+            "nn.Module. Fix: return {'model': some_module}."
+        )
+    if event != "on_train_begin" and isinstance(old, torch.nn.Module):
+        devices = [next(iter(m.parameters()), None) for m in (old, new)]
+        devices = [None if p is None else p.device for p in devices]
+        if devices[0] != devices[1]:
+            raise ValueError(
+                f"{owner} returned a model on {devices[1]}, but the fit's batches "
+                f"go to {devices[0]}. Fix: move it there first (model.to(...))."
+            )
+        new.train(old.training)  # training goes on in the mode it was in
+    return new
+
+
+def _same_metrics(owner: str, old: Metrics, new: Any) -> Metrics:
+    new = new if isinstance(new, Metrics) else Metrics(new)
+    if new.names != old.names:
+        raise ValueError(
+            f"{owner} returned metrics named {new.names}, the fit's are "
+            f"{old.names}: every record of a fit has the same names (the table, "
+            "the CSV header). Fix: return metrics with the same names (e.g. a "
+            "new threshold), or add a value with record_names."
+        )
+    new.reducer = old.reducer  # (set under torch.distributed)
+    return new
+
+
+def _same_hyper(a: str, b: str) -> bool:
+    """Whether two ``sets_hypers`` names set one value: ``lr`` (every
+    part's) and ``decoder.lr`` (one part's) do, two parts' ``lr`` do not."""
+    part_a, _, hyper_a = a.rpartition(".")
+    part_b, _, hyper_b = b.rpartition(".")
+    return hyper_a == hyper_b and (part_a == part_b or not part_a or not part_b)
 
 
 def _check_same_length(cb: Callback, old: Any, new: Any) -> None:
@@ -595,6 +655,8 @@ class CallbackHandler:
                 raise ValueError(_not_writable(cb, event, key))
         if "last_metrics" in update:
             _check_same_length(cb, self.state["last_metrics"], update["last_metrics"])
+        if update.keys() & _SWAPPABLE:
+            update = self._swap(cb, event, dict(update))
         if "record" in update:  # added to the record, not replacing it
             update = dict(update)
             self._add_to_record(cb, update.pop("record"))
@@ -604,6 +666,35 @@ class CallbackHandler:
         skip = update.get("skip_validate") and event in _BATCH_EVENTS
         if skip and "validate_now" not in update:
             self.state["validate_now"] = False
+
+    def _swap(self, cb: Callback, event: str, update: dict) -> dict:
+        """Checks a model, optimizer, loss or metrics a hook returned, and
+        carries over what the loop and other callbacks set on the old one."""
+        state, owner = self.state, f"{cb.name}.{event}"
+        if "model" in update:
+            new = _check_model(owner, state["model"], update["model"], event)
+            inner = getattr(new, "module", None)  # a wrapper (DDP) of the model
+            self.eval_model = inner if inner is self.eval_model else new
+        if "opt" in update:
+            new, old = as_optimizer(update["opt"]), state["opt"]
+            check_trainable(self.eval_model, new)
+            new.grad_scaler = getattr(old, "grad_scaler", None)  # MixedPrecision's
+            update["opt"] = new
+        if "loss_func" in update:
+            new = update["loss_func"]
+            if new is not None and not callable(new):
+                raise TypeError(
+                    f"{owner} returned loss_func={new!r}, which is not callable. "
+                    "Fix: return a function loss_func(output, *targets)."
+                )
+            self.count = loss_count(new)
+            self.tally.declare_parts(getattr(new, "part_names", ()))
+            self._checked -= {("loss", True), ("loss", False)}  # check it anew
+        if "metrics" in update:
+            update["metrics"] = _same_metrics(
+                owner, state["metrics"], update["metrics"]
+            )
+        return update
 
     def _add_to_record(self, cb: Callback, values: Any) -> None:
         """Merges a callback's values into the record, before ``lr`` and
@@ -622,12 +713,15 @@ class CallbackHandler:
         self, n_epochs: int | None, max_steps: int | None = None, **state: Any
     ) -> None:
         self.state.update(state, n_epochs=n_epochs, max_steps=max_steps)
+        # What validation runs: the model as given, not a wrapper of it (DDP).
+        self.eval_model = self.state["model"]
         self.state.update(stop_training=False, n_steps=max_steps)
         self.state.update(validate_now=False, mid_epoch=False)
         self._record_step = any(
             getattr(cb, "validates_mid_epoch", False) for cb in self.callbacks
         )
         self.tally = self.state["tally"] = EpochTally(self.state["train_metrics"])
+        self.tally.declare_parts(getattr(self.state.get("loss_func"), "part_names", ()))
         self.count = loss_count(self.state.get("loss_func"))
         try:
             n_steps = n_epochs * len(self.state["data"].train_dl)

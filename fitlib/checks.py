@@ -208,6 +208,18 @@ def check_trainable(model: nn.Module, opt: Any) -> None:
             "build the optimizer from this model, e.g. HPOptimizer("
             "model.parameters(), torch.optim.SGD, lr=0.1)."
         )
+    parts = getattr(opt, "parts", None)  # a MultiOptimizer: every one in a part
+    if parts is not None:
+        left = [n for n, p in model.named_parameters()
+                if p.requires_grad and id(p) not in in_opt]  # fmt: skip
+        if left:
+            raise ValueError(
+                f"{len(left)} trainable parameter(s) of model "
+                f"{type(model).__name__} are in no part of the MultiOptimizer "
+                f"(parts {list(parts)}), e.g. {left[:3]}: they would get gradients "
+                "and never be updated. Fix: add them to a part (name their "
+                "module in opt_func), or freeze them (requires_grad_(False))."
+            )
 
 
 def check_data(data: Any, epochs: int | None = None) -> None:

@@ -32,6 +32,7 @@ from fitlib.checks import (
 )
 from fitlib.errors import describe, name_of, reraise
 from fitlib.metrics import Metrics
+from fitlib.multi_optimizer import MultiOptimizer, as_optimizer
 from fitlib.optim import HPOptimizer
 from fitlib.record import (  # noqa: F401 (to_floats: here before)
     Record,
@@ -76,9 +77,13 @@ def fit(
         loss_func: called as ``loss_func(output, *targets)``; returns a scalar,
             or a dict with the scalar ``"loss"`` (what ``backward`` uses) and
             named scalar parts, each averaged over the epoch in the record
-            (``train_<part>``, ``valid_<part>``). None for a model that
-            computes its own loss: ``output.loss`` or ``output["loss"]``.
-        opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one).
+            (``train_<part>``, ``valid_<part>``, over the batches that have
+            it; a loss whose parts vary by batch lists them all in its
+            ``part_names``). None for a model that computes its own loss:
+            ``output.loss`` or ``output["loss"]``.
+        opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one); for
+            several optimizers, a ``MultiOptimizer`` or a dict part name ->
+            optimizer (made into one).
         data: an object with ``train_dl`` and optionally ``valid_dl``.
         callbacks: ``Callback`` instances, run in ``order``.
         metrics: computed over the validation set each epoch.
@@ -150,31 +155,36 @@ def fit_states(
     try:
         with cb_handler.deferred_interrupt():
             cb_handler.on_train_begin(epochs, max_steps, **state)
-            # A callback may wrap the model (DistributedDataParallel) and shard
-            # the data: training goes through the wrapper, validation does not.
-            train_model, device = cb_handler.state["model"], model_device(model)
+            # Callbacks may wrap or swap the model (DistributedDataParallel),
+            # the data, the optimizer, the loss: the loop reads them from the
+            # state (validation runs cb_handler.eval_model, not a wrapper).
+            state = cb_handler.state
             batch_fn = getattr(data, "batch_fn", None)  # (a callback may wrap data)
-            valid_args = (model, loss_func, metrics, batch_fn)
-            for _ in range(cb_handler.state["epoch"], epochs or sys.maxsize):
-                train_model.train()
+            for _ in range(state["epoch"], epochs or sys.maxsize):
+                state["model"].train()
                 if cb_handler.on_epoch_begin():  # nothing (more) to train
                     break
-                train_dl = cb_handler.state["data"].train_dl  # a callback may swap it
+                train_dl, device = state["data"].train_dl, model_device(state["model"])
                 ended = False  # by a record inside the epoch
                 for xb, yb in batches(train_dl, device, "train_dl", batch_fn):
                     # A validation asked for at the last batch's end: it ends a
                     # record here, as more batches follow (else the epoch's).
-                    if cb_handler.state["validate_now"]:
-                        ended = _end_record(cb_handler, valid_args, mid_epoch=True)
+                    if state["validate_now"]:
+                        ended = _end_record(cb_handler, batch_fn, mid_epoch=True)
                         if ended:
                             break
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
-                    loss = loss_batch(train_model, xb, yb, loss_func, opt, cb_handler)
+                    model, loss_func, opt = (
+                        state["model"],
+                        state["loss_func"],
+                        state["opt"],
+                    )
+                    loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
                     stop = cb_handler.on_batch_end(loss)
                     yield cb_handler.state
                     if stop:
                         break
-                if ended or _end_record(cb_handler, valid_args, mid_epoch=False):
+                if ended or _end_record(cb_handler, batch_fn, mid_epoch=False):
                     break
     except GeneratorExit:  # the consumer stopped iterating: a clean end
         raise
@@ -185,18 +195,20 @@ def fit_states(
         try:
             cb_handler.on_train_end(exception)
         finally:
-            opt.reset_scales()  # the next fit's lr is what it is given
+            cb_handler.state["opt"].reset_scales()  # the next fit's lr: as given
 
 
-def _end_record(
-    cb_handler: CallbackHandler, valid_args: tuple, mid_epoch: bool
-) -> bool:
+def _end_record(cb_handler: CallbackHandler, batch_fn: Any, mid_epoch: bool) -> bool:
     """Validates (unless skipped), builds the record and runs ``on_epoch_end``;
     True when training must stop. ``mid_epoch``: a validation inside the epoch
     (``validate_now``), after which the epoch's training goes on."""
     state = cb_handler.state
     num_batch = state["num_batch"] if mid_epoch else None  # validation resets it
-    model, loss_func, metrics, batch_fn = valid_args
+    model, loss_func, metrics = (
+        cb_handler.eval_model,
+        state["loss_func"],
+        state["metrics"],
+    )
     valid_dl = getattr(state["data"], "valid_dl", None)
     results = None  # [valid_loss, *metrics] when validation runs
     if valid_dl is not None and (state["validate_now"] or not state["skip_validate"]):
@@ -232,12 +244,12 @@ def iter_fit(*args: Any, **kwargs: Any) -> Iterator[dict]:
 
 def _start(
     epochs: Any, max_steps: Any, model: Any, loss_func: Any, opt: Any, data: Any
-) -> HPOptimizer:
+) -> HPOptimizer | MultiOptimizer:
     """Checks a fit's arguments before training; returns the wrapped optimizer,
     ready for a first step of this fit."""
     check_fit_args(epochs, max_steps)
     check_model(model, loss_func)
-    opt = HPOptimizer.wrap(opt)  # so callbacks can always set opt.lr, opt.mom...
+    opt = as_optimizer(opt)  # so callbacks can always set opt.lr, opt.mom...
     check_trainable(model, opt)
     check_data(data, epochs)
     opt.stepped = None  # no step of this fit yet (the Recorder reads it)

@@ -54,13 +54,12 @@ from fitlib.core import (
     validate,
 )
 from fitlib.errors import name_of
+from fitlib.multi_optimizer import MultiOptimizer, check_part_names, spread_over_parts
 from fitlib.optim import (
     LR,
     HPOptimizer,
     check_hyper,
-    check_lr,
     check_opt_func,
-    lr_per_group,
 )
 from fitlib.resume import give_states
 from fitlib.serialization import (
@@ -125,17 +124,22 @@ class Learner:
             ``data.loss_func``) for a model that computes its own loss
             (``output.loss`` or ``output["loss"]``, as ``transformers``'
             models do when the batch holds ``labels``).
-        opt_func: the torch optimizer class.
+        opt_func: the torch optimizer class; for several optimizers, a dict
+            part name -> class, each part a submodule
+            (``{"encoder": Adam, "decoder": partial(SGD, momentum=0.9)}``),
+            trained by a ``MultiOptimizer``: ``lr`` and ``wd`` may then be
+            dicts by part, and every part's parameters are one part's only.
         metrics: computed on the validation set each epoch; None picks a
             default from the loss (accuracy for cross-entropy), [] none.
         train_metrics: computed on the training batches each epoch (as the
             model trains: dropout on), reported as ``train_<name>``.
         callbacks: extra callbacks for every ``fit``.
-        wd: weight decay.
+        wd: weight decay (a dict by part, with several optimizers).
         true_wd: decouple weight decay from the gradient (AdamW style).
         path: directory for ``save``/``load`` (files go to ``path/models``).
         layer_groups: modules (or parameter lists) that get their own learning
-            rate, from the body to the head; None is one group.
+            rate, from the body to the head; None is one group. With parts,
+            a dict part name -> its layer groups (a part left out is one).
         train_bn: keep normalization layers trainable in frozen groups.
         progress: show progress bars and the results table.
         compile: train through ``torch.compile`` (True, or a dict of its
@@ -153,13 +157,13 @@ class Learner:
         data: Any,
         model: nn.Module,
         loss_func: Callable[..., torch.Tensor] | None = None,
-        opt_func: Callable[..., torch.optim.Optimizer] | None = None,
+        opt_func: Callable[..., torch.optim.Optimizer] | dict | None = None,
         metrics: list | None = None,
         callbacks: Iterable[Callback] | Callback | None = None,
-        wd: float | None = None,
+        wd: float | dict | None = None,
         true_wd: bool = True,
         path: str | Path = ".",
-        layer_groups: Sequence[Any] | None = None,
+        layer_groups: Sequence[Any] | dict | None = None,
         train_bn: bool = True,
         progress: bool = True,
         train_metrics: list | None = None,
@@ -179,9 +183,11 @@ class Learner:
         self.train_metrics = [] if train_metrics is None else train_metrics
         fm.Metrics(self.train_metrics)  # refused now, not at the first fit
         self.opt_func = opt_func or _default("opt_func", torch.optim.AdamW)
-        check_opt_func(self.opt_func)
+        for func in _by_part(self.opt_func).values():
+            check_opt_func(func)
         self.wd = _default("wd", 1e-2) if wd is None else wd
-        check_hyper("wd", [self.wd], wd, fix="Learner(..., wd=1e-2)")
+        wds = _by_part(self.wd)
+        check_hyper("wd", list(wds.values()), wd, fix="Learner(..., wd=1e-2)")
         self.true_wd = true_wd
         for name, flag in (("train_bn", train_bn), ("progress", progress)):
             if not isinstance(flag, bool):  # 'no' would be truthy: bars anyway
@@ -190,10 +196,14 @@ class Learner:
                     f"({type(flag).__name__}). Fix: e.g. Learner(..., {name}=False)."
                 )
         self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
-        self.layer_groups = _split_groups(model, layer_groups)
+        self.part_groups = _part_groups(model, self.opt_func, layer_groups)
+        if isinstance(self.wd, dict):
+            check_part_names(self.wd, list(self.part_groups), "wd", every=True)
+        # Every part's layer groups, in part order: freeze_to counts them.
+        self.layer_groups = [g for gs in self.part_groups.values() for g in gs]
         self.callbacks = callback_list(callbacks)
         self.recorder = Recorder()
-        self.opt: HPOptimizer | None = None
+        self.opt: HPOptimizer | MultiOptimizer | None = None
         if compile is True or isinstance(compile, dict):
             self.compile(**(compile if isinstance(compile, dict) else {}))
         elif compile is not False:
@@ -208,7 +218,7 @@ class Learner:
         names = fm.Metrics(self.metrics).names
         return (
             f"Learner({type(self.model).__name__}, loss_func={loss}, "
-            f"opt_func={self.opt_func.__name__}, metrics={names}, "
+            f"opt_func={_func_names(self.opt_func)}, metrics={names}, "
             f"{len(self.layer_groups)} layer group(s), data={self.data!r})"
         )
 
@@ -268,7 +278,9 @@ class Learner:
             history=history,
         )
 
-    def create_opt(self, lr: LR | None, wd: float | None = None) -> HPOptimizer:
+    def create_opt(
+        self, lr: LR | None, wd: float | dict | None = None
+    ) -> HPOptimizer | MultiOptimizer:
         """Creates the optimizer on first use; afterwards only sets lr and wd.
 
         ``lr`` (None: 1e-3, said once) goes as given to the optimizer, which
@@ -276,17 +288,32 @@ class Learner:
         """
         lr = self._default_lr() if lr is None else lr
         wd = self.wd if wd is None else wd
-        if self.opt is None:
+        if self.opt is None and not isinstance(self.opt_func, dict):
             groups = [{"params": params} for params in self.layer_groups]
             self.opt = HPOptimizer(
                 groups, self._opt_func(), lr=lr, wd=wd, true_wd=self.true_wd
             )
         else:
+            if self.opt is None:  # one optimizer per part, then their lr and wd
+                self.opt = MultiOptimizer(self._parts())
             self.opt.set_lr(lr)
             self.opt.wd = wd
         return self.opt
 
-    def _opt_for_schedule(self, wd: float | None) -> HPOptimizer:
+    def _parts(self) -> dict[str, HPOptimizer]:
+        """One ``HPOptimizer`` per part, over its layer groups."""
+        funcs = self._opt_func()
+        return {
+            name: HPOptimizer(
+                [{"params": params} for params in groups],
+                funcs[name],
+                lr=1e-3,  # create_opt sets the real ones, checked and spread
+                true_wd=self.true_wd,
+            )
+            for name, groups in self.part_groups.items()
+        }
+
+    def _opt_for_schedule(self, wd: float | None) -> HPOptimizer | MultiOptimizer:
         """The optimizer of a fit whose scheduler sets the lr. The scheduler
         spreads its lr over the groups and sets the first step's values in
         ``on_train_begin``, before any step, so an optimizer created now
@@ -308,8 +335,8 @@ class Learner:
         """One learning rate per layer group from a float, slice or sequence
         (None: the default, 1e-3, said once), checked and spread once."""
         lr = self._default_lr() if lr is None else lr
-        check_lr(lr, name)
-        return lr_per_group(lr, len(self.layer_groups), name)
+        counts = {part: len(groups) for part, groups in self.part_groups.items()}
+        return spread_over_parts(lr, counts, name)
 
     # -- freezing --------------------------------------------------------------
     def freeze_to(self, n: int) -> None:
@@ -768,9 +795,13 @@ class Learner:
     def _opt_func(self) -> Any:
         """``opt_func``, fused under float16 where the optimizer can be."""
         fp16 = any(_is_mp(cb) and cb.dtype is torch.float16 for cb in self.callbacks)
-        if fp16 and "fused" in inspect.signature(self.opt_func).parameters:
-            return partial(self.opt_func, fused=True)
-        return self.opt_func
+        funcs = {
+            part: partial(func, fused=True)
+            if fp16 and "fused" in inspect.signature(func).parameters
+            else func
+            for part, func in _by_part(self.opt_func).items()
+        }
+        return funcs if isinstance(self.opt_func, dict) else funcs[""]
 
 
 _DEFAULTS = {
@@ -820,6 +851,83 @@ def _default_metrics(loss_func: Callable) -> list:
             "cross-entropy (pass metrics=[] for none)."
         )
     return [fm.accuracy]
+
+
+def _by_part(value: Any) -> dict[str, Any]:
+    """A per-part setting as a dict (one setting for all: under ``""``)."""
+    return dict(value) if isinstance(value, dict) else {"": value}
+
+
+def _func_names(opt_func: Any) -> str:
+    funcs = {k: name_of(getattr(f, "func", f)) for k, f in _by_part(opt_func).items()}
+    return funcs[""] if "" in funcs else repr(funcs)
+
+
+def _part_groups(
+    model: nn.Module, opt_func: Any, layer_groups: Any
+) -> dict[str, list[list]]:
+    """Each part's layer groups (one part, ``""``, without several
+    optimizers). A part is a submodule, named by ``opt_func``'s keys; its
+    layer groups split it, as ``layer_groups`` splits a whole model."""
+    if not isinstance(opt_func, dict):
+        if isinstance(layer_groups, dict):
+            raise TypeError(
+                "Learner: layer_groups is a dict by part, but opt_func is one "
+                "optimizer class (no parts). Fix: a list of groups, or opt_func="
+                "{part: class, ...}."
+            )
+        return {"": _split_groups(model, layer_groups)}
+    if not opt_func:
+        raise ValueError(
+            "Learner: opt_func is an empty dict. Fix: one optimizer class per "
+            "part, e.g. {'encoder': torch.optim.Adam, 'decoder': torch.optim.SGD}."
+        )
+    if layer_groups is not None and not isinstance(layer_groups, dict):
+        raise TypeError(
+            f"Learner: with one optimizer per part ({list(opt_func)}), "
+            "layer_groups must be a dict part name -> its groups. Fix: e.g. "
+            f"layer_groups={{{next(iter(opt_func))!r}: [body, head]}}."
+        )
+    check_part_names(layer_groups or {}, list(opt_func), "layer_groups", every=False)
+    parts = {name: _submodule(model, name) for name in opt_func}
+    out = {n: _split_groups(m, (layer_groups or {}).get(n)) for n, m in parts.items()}
+    _check_part_cover(model, out)
+    return out
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        children = [n for n, _ in model.named_children()]
+        raise ValueError(
+            f"Learner: opt_func names a part {name!r}, but model "
+            f"{type(model).__name__} has no submodule {name!r}; its children "
+            f"are {children}. Fix: name submodules (a dotted path works: "
+            "'encoder.rnn')."
+        ) from None
+
+
+def _check_part_cover(model: nn.Module, parts: dict[str, list[list]]) -> None:
+    owner: dict[int, str] = {}
+    for part, groups in parts.items():
+        for p in (p for g in groups for p in g):
+            if id(p) in owner:
+                raise ValueError(
+                    f"Learner: parts {owner[id(p)]!r} and {part!r} overlap (one "
+                    "is inside the other, or they share a layer): both "
+                    "optimizers would step the same parameters. Fix: name "
+                    "disjoint submodules."
+                )
+            owner[id(p)] = part
+    left = [n for n, p in model.named_parameters() if id(p) not in owner]
+    if left:
+        raise ValueError(
+            f"Learner: {len(left)} parameter(s) of the model are in no part "
+            f"({list(parts)}), e.g. {left[:3]}: no optimizer would train them. "
+            "Fix: add their module as a part in opt_func, or make the parts "
+            "cover the model."
+        )
 
 
 def _split_groups(model: nn.Module, groups: Sequence[Any] | None) -> list[list]:

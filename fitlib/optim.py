@@ -29,12 +29,13 @@ they live in the parameter groups, so a checkpoint keeps them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fitlib.errors import ArgTypeError, is_number
+from fitlib.sharding import torch_optimizers  # noqa: F401 (here for callbacks)
 
 HyperParam = float | Sequence[float]
 # A learning rate to train at: one number, one per parameter group, or a slice
@@ -79,6 +80,7 @@ class HPOptimizer:
         true_wd: bool = False,
     ) -> None:
         check_lr(lr)
+        _no_parts(lr, "lr")
         check_opt_func(opt_func)
         params = _check_params(params)
         # As torch reads params: a list of group dicts, or one group.
@@ -229,8 +231,19 @@ class HPOptimizer:
         Example:
             >>> opt.set_lr(slice(1e-4, 1e-2))  # 3 groups: 1e-4, 1e-3, 1e-2
         """
+        self._write_values("lr", self.spread_lr(lr, name))
+
+    def spread_lr(self, lr: LR, name: str = "lr") -> list[float]:
+        """``lr`` checked (``check_lr``) and spread over this optimizer's
+        groups (``lr_per_group``): one value per group.
+
+        Example:
+            >>> opt.spread_lr(slice(1e-4, 1e-2))  # 3 groups
+            [0.0001, 0.001, 0.01]
+        """
         check_lr(lr, name)
-        self._write_values("lr", lr_per_group(lr, len(self.param_groups), name))
+        _no_parts(lr, name)
+        return lr_per_group(lr, len(self.param_groups), name)
 
     def set_scheduled(self, name: str, value: HyperParam) -> None:
         """Sets ``name`` to a schedule's ``value`` times the factors ``scale``
@@ -375,6 +388,24 @@ def found_inf(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> Any:
     return (sum(f.to(first.device) for f in found) > 0).int()
 
 
+def unscale_all(scaler: torch.amp.GradScaler, opts: list[torch.optim.Optimizer]) -> Any:
+    """``scaler.unscale_`` of every optimizer, then a non-finite gradient in any
+    of them marks them all, so ``scaler.step`` skips every one (an encoder
+    stepped without its decoder would drift). Returns the 0/1 device tensor
+    of ``found_inf`` (no sync)."""
+    for o in opts:
+        scaler.unscale_(o)
+    if len(opts) == 1:
+        return found_inf(scaler, opts[0])
+    any_inf = sum(found_inf(scaler, o) for o in opts)
+    for o in opts:  # (the per-optimizer flags the scaler's step() reads)
+        for flag in scaler._per_optimizer_states[id(o)][
+            "found_inf_per_device"
+        ].values():
+            flag.copy_((any_inf > 0).to(flag.dtype))
+    return (any_inf > 0).int()
+
+
 def _read(group: dict, key: str, index: int | None) -> float:
     value = group.get(key, 0.0)
     return float(value if index is None else value[index])
@@ -393,12 +424,22 @@ def _collapse(values: list[float]) -> float | list[float]:
     return values[0] if all(v == values[0] for v in values) else values
 
 
+def _no_parts(lr: Any, name: str) -> None:
+    if isinstance(lr, Mapping):
+        raise ValueError(
+            f"{name}={lr!r} gives a value per part, but this optimizer has no "
+            "parts (it is one HPOptimizer). Fix: pass one number, or train "
+            "with a MultiOptimizer (Learner(..., opt_func={part: class, ...}))."
+        )
+
+
 def check_lr(lr: Any, name: str = "lr") -> None:
     """The one check of a learning rate to train at, before it is spread.
 
     Refuses (naming ``name``, the argument as the caller called it) what is
     not a number > 0 and finite, a non-empty sequence of them (one per
-    parameter group) or a slice of them with a stop; and a named tuple, such
+    parameter group), a slice of them with a stop, or a dict of those by part
+    (a ``MultiOptimizer``'s parts); and a named tuple, such
     as the ``SuggestedLRs`` of ``lr_find``, which would pass for one value
     per group. A wrong type is an ``ArgTypeError`` (a TypeError that is also
     a ValueError), a value out of range a ValueError.
@@ -408,6 +449,10 @@ def check_lr(lr: Any, name: str = "lr") -> None:
     """
     if isinstance(lr, tuple) and hasattr(lr, "_fields"):
         raise ArgTypeError(_named_tuple_message(lr, name))
+    if isinstance(lr, Mapping) and lr:  # one per part (MultiOptimizer)
+        for part, value in lr.items():
+            check_lr(value, f"{name}[{part!r}]")
+        return
     if isinstance(lr, slice):
         values = [v for v in (lr.start, lr.stop) if v is not None]
         form = lr.stop is not None

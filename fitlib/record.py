@@ -381,6 +381,15 @@ class EpochTally:
                         self.part_names.append(name)
                 self.parts[key].add(value, size)
 
+    def declare_parts(self, names: Any) -> None:
+        """Loss parts that the loss returns only in some batches (a GAN's
+        ``critic`` and ``generator``), known before the first: every record
+        has them (None in an epoch without them)."""
+        for name in names:
+            if name not in self.part_names:
+                self._check_part(name)
+                self.part_names.append(name)
+
     def _check_part(self, name: str) -> None:
         """Refuses a loss part whose record names another value has."""
         if name in self.train_metrics.names or name == "loss":

@@ -224,6 +224,11 @@ def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
 def optimizer_identity(opt: Any) -> dict:
     """What a saved optimizer state must match to load into ``opt`` (an
     ``HPOptimizer`` or a torch optimizer): its class and number of groups."""
+    parts = getattr(opt, "parts", None)  # a MultiOptimizer: each part's class
+    if parts is not None:
+        kinds = ", ".join(f"{n}={type(p.opt).__name__}" for n, p in parts.items())
+        return {"opt_class": f"MultiOptimizer({kinds})",
+                "param_groups": len(opt.param_groups)}  # fmt: skip
     inner = getattr(opt, "opt", opt)
     return {"opt_class": type(inner).__name__, "param_groups": len(inner.param_groups)}
 
@@ -235,7 +240,8 @@ def optimizer_differences(
     ``saved``, or a part of it; None in files written before fitlib kept it)
     differs from ``opt``, one line each (``[]``: it loads). ``whose`` names
     the two sides in the lines, e.g. ``("the file's", "this Learner's")``."""
-    inner, own = getattr(opt, "opt", opt), optimizer_identity(opt)
+    own = optimizer_identity(opt)
+    inner = opt if hasattr(opt, "parts") else getattr(opt, "opt", opt)
     groups = _saved_groups(state)
     saved = {"opt_class": None, "param_groups": len(groups), **(saved or {})}
     theirs, ours = whose
@@ -253,7 +259,7 @@ def optimizer_differences(
         )
     elif sizes != own_sizes:
         found.append(f"parameters per group: {theirs} {sizes}, {ours} {own_sizes}")
-    if saved["opt_class"] is None and groups:  # an older file: judge by its keys
+    if saved["opt_class"] is None and groups and not hasattr(opt, "parts"):  # old file
         keys, own_keys = _hyper_keys(groups[0]), _hyper_keys(inner.defaults)
         if keys != own_keys:
             found.append(
@@ -265,6 +271,8 @@ def optimizer_differences(
 
 def _saved_groups(state: dict) -> list[dict]:
     """The parameter groups of an ``HPOptimizer`` or torch optimizer state."""
+    if isinstance(state.get("parts"), dict):  # a MultiOptimizer's, part by part
+        return [g for part in state["parts"].values() for g in _saved_groups(part)]
     state = state.get("opt", state) if "param_groups" not in state else state
     return list(state.get("param_groups", []))
 

@@ -63,8 +63,8 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    inner = getattr(opt, "opt", opt)
-    state = _full_optimizer_state(model, inner) if inner.state else None
+    inners = torch_optimizers(opt)
+    states = [_full_optimizer_state(model, o) if o.state else None for o in inners]
     names = _names(model)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     # Inner units first: a unit owns the parameters no inner unit claimed.
@@ -73,11 +73,12 @@ def shard_model(
             fully_shard(module, mesh=mesh, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
     params = dict(model.named_parameters())
-    for group in inner.param_groups:
-        group["params"] = [params[_name(names, p)] for p in group["params"]]
-    if state is not None:
-        inner.state.clear()
-        _set_named(model, inner, state)
+    for inner, state in zip(inners, states, strict=True):
+        for group in inner.param_groups:
+            group["params"] = [params[_name(names, p)] for p in group["params"]]
+        if state is not None:
+            inner.state.clear()
+            _set_named(model, inner, state)
 
 
 def model_state(model: nn.Module) -> dict:
@@ -108,6 +109,9 @@ def optimizer_state(opt: Any, model: nn.Module) -> dict:
     elsewhere) and keyed like a plain optimizer's (parameter numbers)."""
     if not is_sharded(model):
         return opt.state_dict()
+    parts = getattr(opt, "parts", None)  # a MultiOptimizer: part by part
+    if parts is not None:
+        return {"parts": {n: optimizer_state(p, model) for n, p in parts.items()}}
     inner = getattr(opt, "opt", opt)
     state = _numbered(_full_optimizer_state(model, inner))
     # (HPOptimizer.state_dict's form, with the whole state in place of a slice)
@@ -118,6 +122,17 @@ def load_optimizer_state(opt: Any, model: nn.Module, state: dict) -> None:
     """``opt.load_state_dict(state)`` for what ``optimizer_state`` returns."""
     if not is_sharded(model):
         opt.load_state_dict(state)
+        return
+    parts = getattr(opt, "parts", None)
+    if parts is not None:
+        saved = state.get("parts", {})
+        if list(saved) != list(parts):
+            raise ValueError(
+                f"the saved optimizer state holds parts {list(saved)}, this "
+                f"MultiOptimizer has {list(parts)}. Fix: build the same parts."
+            )
+        for name, part in parts.items():
+            load_optimizer_state(part, model, state["parts"][name])
         return
     inner = getattr(opt, "opt", opt)
     if inner is not opt:  # HPOptimizer: its own setting, then the torch optimizer's
@@ -137,6 +152,13 @@ def _set_named(model: nn.Module, inner: Any, named: dict) -> None:
 
 
 # -- formats -------------------------------------------------------------------
+def torch_optimizers(opt: Any) -> list:
+    """The torch optimizers of an ``HPOptimizer``, a ``MultiOptimizer`` (its
+    parts') or a torch optimizer."""
+    many = getattr(opt, "optimizers", None)
+    return list(many) if many is not None else [getattr(opt, "opt", opt)]
+
+
 def _full_optimizer_state(model: nn.Module, inner: Any) -> dict:
     """The optimizer's whole state keyed by parameter name (torch's format)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

@@ -679,11 +679,11 @@ def returning(event, update):
 @pytest.mark.parametrize(
     "event, key",
     [
-        ("on_train_begin", "opt"),
-        ("on_epoch_begin", "loss_func"),
-        ("on_batch_end", "metrics"),
+        ("on_loss_begin", "opt"),
+        ("on_backward_begin", "loss_func"),
+        ("on_step_end", "metrics"),
         ("on_epoch_end", "n_epochs"),
-        ("on_batch_begin", "model"),
+        ("on_backward_end", "model"),
         ("on_epoch_end", "epoch"),
         ("on_step_end", "last_output"),
         ("on_step_end", "skip_step"),

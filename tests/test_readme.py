@@ -77,3 +77,86 @@ def test_the_tracker_recipe_sends_every_record_and_step_point():
     losses = learn.recorder.losses
     assert points[0][1] == pytest.approx(sum(losses[:3]) / 3, rel=1e-6)
     assert run.config == {"epochs": 2, "max_steps": None} and run.exit_code == 0
+
+
+def step_recipes() -> dict:
+    """The README's recipes for steps the loop cannot express, executed."""
+    section = README.read_text().split("**Steps the loop cannot express.**", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", section.split("\n### ", 1)[0], re.S)
+    namespace = {}
+    for block in blocks:
+        code = "\n".join(line.removeprefix("  ") for line in block.splitlines())
+        exec(compile("import torch\nfrom fitlib import Callback\n" + code,
+                     "README.md", "exec"), namespace)  # fmt: skip
+    return namespace
+
+
+def test_the_wgan_gp_recipe_equals_a_hand_written_wgan_gp_loop():
+    import torch
+    from test_gan import gan, hand_written, loader, optimizers
+
+    from fitlib import DataBunch, GANLoss, fit
+    from fitlib.callbacks import GANTrainer
+
+    penalty = step_recipes()["GradientPenalty"](weight=10.0)
+    model = gan()
+    torch.manual_seed(1)
+    fit(2, model, GANLoss("wgan"), optimizers(model), DataBunch(loader()),
+        callbacks=[GANTrainer(n_critic=2), penalty])  # fmt: skip
+
+    def gradient_penalty(c, real, fake):
+        eps = torch.rand(len(real), 1)
+        x_hat = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        (grad,) = torch.autograd.grad(c(x_hat).sum(), x_hat, create_graph=True)
+        return 10.0 * ((grad.norm(dim=1) - 1) ** 2).mean()
+
+    ref = hand_written("wgan", n_critic=2, penalty=gradient_penalty)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_the_sam_recipe_equals_a_hand_written_sam_loop():
+    import torch
+    from helpers import make_dataset
+    from torch import nn
+    from torch.nn import functional as F  # noqa: N812
+    from torch.utils.data import DataLoader
+
+    from fitlib import DataBunch, fit
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    dl = DataLoader(make_dataset(64), 16)
+    sam = step_recipes()["SAM"](rho=0.05)
+    m = model()
+    fit(2, m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1),
+        DataBunch(dl), callbacks=[sam])  # fmt: skip
+
+    ref = model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        for x, y in dl:
+            F.cross_entropy(ref(x), y).backward()
+            params = list(ref.parameters())
+            with torch.no_grad():
+                norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(p.grad) for p in params])
+                )
+                climbs = [p.grad * (0.05 / (norm + 1e-12)) for p in params]
+                for p, e in zip(params, climbs):
+                    p.add_(e)
+                    p.grad = None
+            F.cross_entropy(ref(x), y).backward()
+            with torch.no_grad():
+                for p, e in zip(params, climbs):
+                    p.sub_(e)
+            opt.step()
+            opt.zero_grad()
+    plain = model()
+    fit(2, plain, F.cross_entropy, torch.optim.SGD(plain.parameters(), lr=0.1),
+        DataBunch(dl))  # fmt: skip
+    for p, q, r in zip(m.parameters(), ref.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+        assert not torch.equal(p, r)  # SAM's step is not the plain one

@@ -15,6 +15,8 @@ Checkpoint            -100   first: restores before the others begin; saves
                              at the start of a batch or epoch, when the
                              others have finished the previous one (best.pth
                              too, once the epoch's record is complete)
+GANTrainer             -40   whose turn: the part that steps and learns is
+                             set before accumulation and mixed precision
 GradientAccumulation   -30   first: decides whether this batch steps
                              (``skip_step``) and scales the loss; sets the
                              fit's ``n_steps`` before schedulers read it
@@ -57,6 +59,7 @@ from fitlib.callbacks.csv_logger import CSVLogger
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.early_stopping import EarlyStopping
 from fitlib.callbacks.filters import every, first, once
+from fitlib.callbacks.gan_trainer import GANTrainer
 from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.mlflow_logger import MLflowLogger
@@ -84,6 +87,7 @@ __all__ = [
     "Compile",
     "DistributedTrainer",
     "EarlyStopping",
+    "GANTrainer",
     "GradientAccumulation",
     "GradientClipping",
     "LRFinder",

@@ -28,7 +28,7 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import model_device
-from fitlib.optim import found_inf
+from fitlib.optim import torch_optimizers, unscale_all
 from fitlib.sharding import is_sharded
 
 _DTYPES = {
@@ -82,6 +82,7 @@ class MixedPrecision(Callback):
         self._autocast: Any = None
         self._device_type = "cpu"  # of the model, set at train begin
         self._in_autocast = self._unscaled = False
+        self._found: Any = 0  # this step's non-finite flag (a device tensor)
 
     @property
     def skipped_steps(self) -> int:
@@ -120,13 +121,14 @@ class MixedPrecision(Callback):
     def on_backward_end(self, opt: Any, skip_step: bool) -> None:
         """Runs after backward: unscales the gradients of a step to come."""
         if self.scaler is not None and not skip_step:
-            self.scaler.unscale_(opt.opt)  # also finds non-finite gradients
+            # Also finds non-finite gradients: in any part, all parts skip.
+            self._found = unscale_all(self.scaler, torch_optimizers(opt))
             self._unscaled = True
 
     def on_step_end(self, opt: Any) -> None:
         """Runs after the step: counts a skipped step, updates the scale."""
         if self._unscaled:
-            self._skipped = self._skipped + found_inf(self.scaler, opt.opt)
+            self._skipped = self._skipped + self._found
             self.scaler.update()
             self._unscaled = False
 
@@ -170,10 +172,11 @@ class MixedPrecision(Callback):
             self.scaler.load_state_dict(self._pending_state)
             self._pending_state = None
         opt.grad_scaler = self.scaler
-        fused = getattr(opt.opt, "_step_supports_amp_scaling", False)
-        if device.type == "cuda" and not fused:
+        slow = [o for o in torch_optimizers(opt)
+                if not getattr(o, "_step_supports_amp_scaling", False)]  # fmt: skip
+        if device.type == "cuda" and slow:
             warnings.warn(
-                f"MixedPrecision(float16) with {type(opt.opt).__name__} not "
+                f"MixedPrecision(float16) with {type(slow[0]).__name__} not "
                 "fused: the GradScaler reads on the host, each step, whether "
                 "the gradients were finite (one device sync per step). Fix: "
                 "create the optimizer with fused=True (SGD, Adam, AdamW); "

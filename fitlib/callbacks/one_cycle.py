@@ -16,7 +16,7 @@ from typing import Any
 from fitlib.callbacks.schedule import ParamScheduler, cosine
 from fitlib.checks import check_number
 from fitlib.errors import is_number
-from fitlib.optim import LR, check_lr, lr_per_group
+from fitlib.optim import LR, check_lr
 
 
 class OneCycleScheduler(ParamScheduler):
@@ -31,6 +31,8 @@ class OneCycleScheduler(ParamScheduler):
             slice spread over the groups (``slice(lo, hi)`` geometrically,
             ``slice(hi)``: ``hi / 10`` for all groups but the last). ``lr``
             is another name for it, as in ``Learner.fit_one_cycle``: pass one.
+            With several optimizers (``MultiOptimizer``), a dict gives each
+            part its own peak: ``{"encoder": 1e-3, "decoder": 1e-2}``.
         div_factor: the learning rate starts at ``max_lr / div_factor``.
         pct_start: the fraction of steps spent warming up, in (0, 1).
         final_div: the learning rate ends at ``max_lr / final_div``; None is
@@ -38,6 +40,7 @@ class OneCycleScheduler(ParamScheduler):
         moms: the momentum (or beta1) at the start (and end) and at the peak
             of the learning rate; None leaves momentum alone.
         total_steps: as for ``ParamScheduler``; None uses the fit's length.
+        part: schedule only this part of a ``MultiOptimizer`` (None: all).
 
     Example:
         >>> fit(5, model, F.cross_entropy, opt, data,
@@ -54,6 +57,7 @@ class OneCycleScheduler(ParamScheduler):
         total_steps: int | None = None,
         *,
         lr: LR | None = None,
+        part: str | None = None,
     ) -> None:
         self.lr_name, self.max_lr = peak_lr(lr, max_lr, owner=self.name)
         check_lr(self.max_lr, self.lr_name)
@@ -75,18 +79,22 @@ class OneCycleScheduler(ParamScheduler):
         self.div_factor, self.pct_start = div_factor, pct_start
         self.final_div, self.moms = final_div, moms
         self.schedules = {}  # built in on_train_begin, for the optimizer's groups
-        self._plan(total_steps)
+        self._plan(total_steps, part)
 
     @property
     def sets_hypers(self) -> tuple[str, ...]:
-        """``lr``, and ``mom`` unless ``moms`` is None: known before training."""
-        return ("lr",) if self.moms is None else ("lr", "mom")
+        """``lr``, and ``mom`` unless ``moms`` is None: known before training
+        (``part.lr``, ``part.mom`` for one part's)."""
+        prefix = "" if self.part is None else f"{self.part}."
+        names = ("lr",) if self.moms is None else ("lr", "mom")
+        return tuple(prefix + name for name in names)
 
     def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
         """Runs before training: builds the schedules for this optimizer's
         parameter groups (spreading ``max_lr`` over them), sets the first
         values."""
-        top = lr_per_group(self.max_lr, len(opt.param_groups), self.lr_name)
+        # Per part for a dict; over the part's groups with part=...
+        top = self._target(opt).spread_lr(self.max_lr, self.lr_name)
         low = [lr / self.div_factor for lr in top]
         end = [lr / self.final_div for lr in top]
         warm, cool = self.pct_start, 1 - self.pct_start

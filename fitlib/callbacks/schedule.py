@@ -118,6 +118,8 @@ class ParamScheduler(Callback):
             by gradient accumulation). Give it when training is bounded by
             steps (a loader without a length, or a run stopped after a number
             of steps); after the last step the final values stay.
+        part: with several optimizers (``MultiOptimizer``), the part whose
+            hyper-parameters this schedules; None schedules every part.
 
     Example:
         >>> warmup_cos = [(0.1, linear(0.0, 1e-3)), (0.9, cosine(1e-3, 0.0))]
@@ -129,12 +131,15 @@ class ParamScheduler(Callback):
     in_lr_find = False  # a sweep is not part of the run it records
 
     def __init__(
-        self, schedules: Mapping[str, Phases], total_steps: int | None = None
+        self,
+        schedules: Mapping[str, Phases],
+        total_steps: int | None = None,
+        part: str | None = None,
     ) -> None:
         self.schedules = _check_schedules(schedules)
-        self._plan(total_steps)
+        self._plan(total_steps, part)
 
-    def _plan(self, total_steps: int | None) -> None:
+    def _plan(self, total_steps: int | None, part: str | None = None) -> None:
         """Sets the length (``total_steps``, None: the fit's) and the position;
         also for a subclass that builds its schedules at train begin."""
         self.total_steps = check_int(
@@ -142,9 +147,28 @@ class ParamScheduler(Callback):
             allow_none=True,
         )  # fmt: skip
         self.step, self.total = 0, 0
+        if part is not None and not isinstance(part, str):
+            raise TypeError(
+                f"{self.name}: part must be a part's name (str) or None; got "
+                f"{part!r}. Fix: e.g. part='decoder'."
+            )
+        self.part = part
+
+    def _target(self, opt: Any) -> Any:
+        """The optimizer this schedules: ``opt``, or its part ``part``."""
+        if self.part is None:
+            return opt
+        if self.part not in getattr(opt, "parts", {}):
+            has = list(opt.parts) if hasattr(opt, "parts") else "no parts"
+            raise ValueError(
+                f"{self.name}(part={self.part!r}): the optimizer has {has}. Fix: "
+                "name one of its parts, or part=None to schedule all of it."
+            )
+        return opt[self.part]
 
     def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
         """Runs before training: checks the optimizer, sets the first values."""
+        opt = self._target(opt)
         if iteration == 0:  # a resumed fit keeps its loaded position
             self.step = 0
         self.total = self.total_steps or n_steps
@@ -158,11 +182,16 @@ class ParamScheduler(Callback):
             )
         missing = [name for name in self.schedules if not opt.has(name)]
         if missing:
+            lacking = getattr(opt, "missing", None)  # the parts that lack one
+            what = (
+                f"the parts {lacking(missing[0])} do"
+                if lacking
+                else f"{type(getattr(opt, 'opt', opt)).__name__} does"
+            )
             raise ValueError(
-                f"{self.name} schedules {missing}, which "
-                f"{type(getattr(opt, 'opt', opt)).__name__} does not have. Fix: "
-                "drop those schedules (e.g. moms=None), or use an optimizer "
-                "that has them."
+                f"{self.name} schedules {missing}, which {what} not have. Fix: "
+                "drop those schedules (e.g. moms=None), schedule one part "
+                "(part='name'), or use an optimizer that has them."
             )
         self._set(opt)
 
@@ -170,7 +199,7 @@ class ParamScheduler(Callback):
         """Runs after each optimizer step: sets the values for the next one."""
         if not skip_step:  # no step (accumulating gradients): same position
             self.step += 1
-            self._set(opt)
+            self._set(self._target(opt))
 
     def _set(self, opt: Any) -> None:
         step = min(self.step, self.total - 1)
@@ -180,8 +209,10 @@ class ParamScheduler(Callback):
 
     @property
     def sets_hypers(self) -> tuple[str, ...]:
-        """The hyper-parameters this scheduler sets at every step."""
-        return tuple(self.schedules)
+        """The hyper-parameters this scheduler sets at every step (``part.lr``
+        for one part's)."""
+        prefix = "" if self.part is None else f"{self.part}."
+        return tuple(prefix + name for name in self.schedules)
 
     def state_dict(self) -> dict:
         """The position in the schedule: optimizer steps done, of how many."""
@@ -192,7 +223,8 @@ class ParamScheduler(Callback):
         self.step, self.total = int(state["step"]), int(state["total"])
 
     def __repr__(self) -> str:
-        return f"{self.name}({self.schedules!r}, total_steps={self.total_steps})"
+        part = "" if self.part is None else f", part={self.part!r}"
+        return f"{self.name}({self.schedules!r}, total_steps={self.total_steps}{part})"
 
 
 def value_at(phases: list[tuple[float, Schedule]], step: int, total: int) -> Value:

@@ -77,10 +77,13 @@ def model(plain: bool = False) -> nn.Module:
 def main(mode: str, out: Path) -> None:
     """MODE: plain, checkpoint, crash, rank1_fails, accumulate, big, tiny, nan,
     schedule (validations inside epochs), compile (aot_eager); a
-    prefix fsdp_ (or fsdp alone for plain) shards the model with FSDP2."""
+    prefix fsdp_ (or fsdp alone for plain) shards the model with FSDP2; a
+    suffix _parts (or parts alone) trains with one optimizer per layer (a
+    MultiOptimizer: the same SGD, so the same weights as one optimizer)."""
     torch.set_num_threads(1)
     fsdp = mode.startswith("fsdp")
-    mode = mode.removeprefix("fsdp").removeprefix("_") or "plain"
+    parts = mode.endswith("parts")
+    mode = mode.removeprefix("fsdp").removesuffix("parts").strip("_") or "plain"
     sharding = {"strategy": "fsdp", "fsdp_units": (nn.Linear,)} if fsdp else {}
     timeout = datetime.timedelta(seconds=60)  # a hang fails the test, soon
     trainer = DistributedTrainer(timeout=timeout, **sharding)  # joins the group
@@ -112,6 +115,8 @@ def main(mode: str, out: Path) -> None:
         callbacks.append(Compile(backend=lambda gm, _: graphs.append(gm) or gm.forward))
     plain = mode in ("accumulate", "big")
     sgd = partial(torch.optim.SGD, momentum=0.9)  # a state to shard and resume
+    if parts:  # every layer with parameters: its own optimizer
+        sgd = {name: sgd for name in (("0", "2") if plain else ("0", "1", "4"))}
     learn = Learner(data, model(plain), F.cross_entropy, opt_func=sgd,
                     metrics=[accuracy, F1Score()], callbacks=callbacks)  # fmt: skip
     learn.fit(3, lr=0.1)

@@ -1,6 +1,7 @@
 """A training run for the SIGKILL test of test_checkpoint.py.
 
-Run as ``python resume_child.py CHECKPOINT_DIR RESULT_FILE``: it trains (and
+Run as ``python resume_child.py CHECKPOINT_DIR RESULT_FILE [parts]``: it
+trains (with ``parts``: an Adam and an SGD part, one optimizer each) (and
 resumes from CHECKPOINT_DIR when a checkpoint is there), then writes the final
 weights and the Recorder's history to RESULT_FILE. Saves and batches are
 slowed down so that a kill at a random moment often lands inside a write.
@@ -8,6 +9,7 @@ slowed down so that a kill at a random moment often lands inside a write.
 
 import sys
 import time
+from functools import partial
 
 import torch
 from helpers import make_dataset
@@ -20,6 +22,7 @@ from fitlib import Callback, DataBunch, Learner
 from fitlib.callbacks import Checkpoint
 
 real_save = torch.save
+OPT_FUNCS = {"0": torch.optim.Adam, "3": partial(torch.optim.SGD, momentum=0.9)}
 
 
 def slow_save(obj, f, *args, **kwargs):
@@ -32,7 +35,7 @@ class Slow(Callback):
         time.sleep(0.004)
 
 
-def main(ckpt_dir: str, result: str) -> None:
+def main(ckpt_dir: str, result: str, parts: bool = False) -> None:
     torch.set_num_threads(1)
     fitlib.serialization.torch.save = slow_save
     torch.manual_seed(0)
@@ -48,12 +51,13 @@ def main(ckpt_dir: str, result: str) -> None:
         data,
         model,
         F.cross_entropy,
-        opt_func=torch.optim.SGD,
+        opt_func=OPT_FUNCS if parts else torch.optim.SGD,
         progress=False,
         callbacks=[Checkpoint(ckpt_dir, every_n_steps=2, keep_last=2), Slow()],
     )
     print("started", flush=True)
-    learn.fit_one_cycle(8, max_lr=0.1, moms=(0.95, 0.85))
+    lr = {"0": 0.01, "3": 0.1} if parts else 0.1
+    learn.fit_one_cycle(8, max_lr=lr, moms=(0.95, 0.85))
     rec = learn.recorder
     fitlib.serialization.atomic_save(
         {
@@ -67,4 +71,4 @@ def main(ckpt_dir: str, result: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["parts"])

@@ -122,16 +122,20 @@ def test_resume_restores_the_loss_scale(tmp_path):
     assert scale > 4.0 and resumed.callbacks[-1].scaler.get_scale() == scale
 
 
-def test_killed_at_random_moments_with_sigkill_the_run_still_ends_identical(tmp_path):
-    """Processes killed mid-epoch and mid-write, then rerun, as a user would."""
+@pytest.mark.parametrize("parts", [[], ["parts"]], ids=["one_optimizer", "two"])
+def test_killed_at_random_moments_with_sigkill_the_run_still_ends_identical(
+    tmp_path, parts
+):
+    """Processes killed mid-epoch and mid-write, then rerun, as a user would;
+    also with two optimizers (Adam and SGD parts, a MultiOptimizer)."""
     env = child_env()
     child = [sys.executable, str(HERE / "resume_child.py")]
-    subprocess.run([*child, str(tmp_path / "ref"), str(tmp_path / "ref.pth")],
+    subprocess.run([*child, str(tmp_path / "ref"), str(tmp_path / "ref.pth"), *parts],
                    env=env, check=True, capture_output=True)  # fmt: skip
     rng, kills = random.Random(1234), 0
     for attempt in range(12):
         proc = subprocess.Popen(
-            [*child, str(tmp_path / "ckpt"), str(tmp_path / "run.pth")],
+            [*child, str(tmp_path / "ckpt"), str(tmp_path / "run.pth"), *parts],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
         while (line := proc.stdout.readline()) and line.strip() != b"started":

@@ -107,13 +107,24 @@ def test_logs_and_files_are_written_once(trained):
     assert len(table) == 1
 
 
-@pytest.mark.parametrize("prefix", ["", "fsdp_"])
-def test_a_checkpoint_written_by_two_ranks_resumes_exactly(tmp_path, prefix):
+@pytest.mark.parametrize("mode", ["parts", "fsdp_parts"])
+def test_one_optimizer_per_layer_trains_as_one_optimizer(trained, mode):
+    one = results(trained(mode.removesuffix("parts").strip("_") or "plain")[0])
+    for per_layer, single in zip(results(trained(mode)[0]), one):
+        for k, v in single["weights"].items():
+            assert torch.equal(per_layer["weights"][k], v), k
+        assert per_layer["grad_norms"] == single["grad_norms"]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "suffix"), [("", ""), ("fsdp_", ""), ("fsdp_", "_parts")]
+)
+def test_a_checkpoint_written_by_two_ranks_resumes_exactly(tmp_path, prefix, suffix):
     ref = tmp_path / "ref"
-    assert torchrun(f"{prefix}checkpoint", ref).returncode == 0
-    crashed = torchrun(f"{prefix}crash", tmp_path / "run")
+    assert torchrun(f"{prefix}checkpoint{suffix}", ref).returncode == 0
+    crashed = torchrun(f"{prefix}crash{suffix}", tmp_path / "run")
     assert crashed.returncode != 0 and "simulated crash" in crashed.stderr
-    resumed = torchrun(f"{prefix}checkpoint", tmp_path / "run")
+    resumed = torchrun(f"{prefix}checkpoint{suffix}", tmp_path / "run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resuming from") == 1
     for a, b in zip(results(ref), results(tmp_path / "run")):

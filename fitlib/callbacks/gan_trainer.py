@@ -1,0 +1,121 @@
+"""``GANTrainer``: a generator and a critic trained in turns, in the one loop.
+
+Each training batch is one optimizer step of one part: ``n_critic`` critic
+steps, then ``n_generator`` generator steps, counted in optimizer steps (the
+state key ``step``), so an exact resume takes up the same turn and gradient
+accumulation keeps one part for every batch of a step. Before each batch
+the trainer sets the ``GANModule``'s ``mode`` (what the forward computes),
+the ``MultiOptimizer``'s ``active`` part (which optimizer steps) and which
+part's parameters require gradients (the other's get none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fitlib.callback import Callback
+from fitlib.checks import check_int
+from fitlib.gan import GANModule
+
+
+class GANTrainer(Callback):
+    """Trains a ``GANModule`` in turns: ``n_critic`` critic steps, then
+    ``n_generator`` generator steps, over and over.
+
+    Needs a ``MultiOptimizer`` with a part for each (named ``generator`` and
+    ``critic``: ``Learner(..., opt_func={"generator": ..., "critic": ...})``),
+    each over its module's parameters.
+
+    Args:
+        n_critic: critic steps per round (5 is usual for WGAN).
+        n_generator: generator steps per round.
+
+    Example:
+        >>> learn = Learner(data, GANModule(gen, critic, noise_size=8),
+        ...                 GANLoss("wgan"), callbacks=[GANTrainer(n_critic=5)],
+        ...                 opt_func={"generator": Adam, "critic": Adam})
+        >>> learn.fit(10, lr=1e-4)
+    """
+
+    order = -40  # before accumulation and mixed precision: decides what steps
+
+    def __init__(self, n_critic: int = 1, n_generator: int = 1) -> None:
+        owner = "GANTrainer"
+        self.n_critic = check_int(
+            n_critic, "n_critic", minimum=1, owner=owner, example=5
+        )
+        self.n_generator = check_int(
+            n_generator, "n_generator", minimum=1, owner=owner, example=1
+        )
+        self._gan: GANModule | None = None
+        self._grad: dict[int, bool] = {}  # requires_grad as the fit found it
+        self._turn: str | None = None
+
+    def turn(self, step: int) -> str:
+        """Whose turn optimizer step ``step`` (0-based) is."""
+        in_round = step % (self.n_critic + self.n_generator)
+        return "critic" if in_round < self.n_critic else "generator"
+
+    def on_train_begin(self, model: nn.Module, opt: Any) -> None:
+        """Runs before training: checks the model and the optimizer's parts."""
+        gan = getattr(model, "module", model)  # (inside DistributedDataParallel)
+        if not isinstance(gan, GANModule):
+            raise ValueError(
+                f"GANTrainer trains a GANModule (a generator and a critic); the "
+                f"model is a {type(gan).__name__}. Fix: model=GANModule("
+                "generator, critic, noise_size=...)."
+            )
+        _check_parts(gan, opt)
+        self._gan, self._turn = gan, None
+        self._grad = {id(p): p.requires_grad for p in gan.parameters()}
+
+    def on_batch_begin(self, train: bool, step: int, opt: Any) -> None:
+        """Runs before each batch: sets the turn, what steps, what learns."""
+        if not train:
+            return
+        turn = self.turn(step)
+        opt.active = (turn,)
+        self._gan.mode = turn
+        if turn != self._turn:
+            self._turn = turn
+            other = "generator" if turn == "critic" else "critic"
+            for p in getattr(self._gan, other).parameters():
+                p.requires_grad_(False)
+            for p in getattr(self._gan, turn).parameters():
+                p.requires_grad_(self._grad.get(id(p), True))
+
+    def on_train_end(self, opt: Any) -> None:
+        """Runs at the end, also after an error: every part steps and learns
+        again, as before the fit."""
+        if self._gan is None:
+            return
+        for p in self._gan.parameters():
+            p.requires_grad_(self._grad.get(id(p), p.requires_grad))
+        self._gan.mode, self._gan, self._turn = None, None, None
+        if hasattr(opt, "active"):
+            opt.active = None
+
+    def __repr__(self) -> str:
+        return f"GANTrainer(n_critic={self.n_critic}, n_generator={self.n_generator})"
+
+
+def _check_parts(gan: GANModule, opt: Any) -> None:
+    parts = getattr(opt, "parts", None)
+    has = list(parts) if parts is not None else "no parts (one optimizer)"
+    if parts is None or not {"generator", "critic"} <= set(parts):
+        raise ValueError(
+            f"GANTrainer needs an optimizer part named 'generator' and one named "
+            f"'critic'; the optimizer has {has}. Fix: Learner(..., opt_func="
+            "{'generator': torch.optim.Adam, 'critic': torch.optim.Adam})."
+        )
+    for name in ("generator", "critic"):
+        want = {id(p) for p in getattr(gan, name).parameters()}
+        got = {id(p) for g in parts[name].param_groups for p in g["params"]}
+        if want != got:
+            raise ValueError(
+                f"GANTrainer: the optimizer part {name!r} holds {len(got)} "
+                f"parameter(s), the GANModule's {name} has {len(want)} others. "
+                f"Fix: build part {name!r} over gan.{name}.parameters()."
+            )

@@ -1,0 +1,332 @@
+"""``MultiOptimizer``: one optimizer per part of a model, as one optimizer.
+
+An encoder on Adam and a decoder on SGD with momentum, or a GAN's generator
+and critic, each keep their own torch optimizer (wrapped in an
+``HPOptimizer``), and the loop, the schedulers, the LR finder, mixed precision
+and checkpoints see one object with ``HPOptimizer``'s interface:
+
+- ``step()`` steps the parts that are ``active`` (all, unless a callback such
+  as ``GANTrainer`` names some for this batch); ``zero_grad()`` clears all.
+- ``lr``, ``mom``, ``wd``, ``beta`` read and set every part's groups, in part
+  order (``param_groups`` lists them all); ``opt["decoder"].lr`` reads or sets
+  one part; ``opt.lr = {"encoder": 1e-3, "decoder": 0.1}`` sets each part.
+- ``state_dict()`` holds every part's state, by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from fitlib.optim import (
+    NAMES,
+    HPOptimizer,
+    HyperParam,
+    _collapse,
+    check_lr,
+    count_mismatch,
+    lr_per_group,
+)
+
+Parts = Mapping[str, Any]
+
+
+class MultiOptimizer:
+    """Several optimizers, one per part of a model, behind one interface.
+
+    Args:
+        parts: part name -> optimizer (an ``HPOptimizer`` or a torch
+            optimizer, wrapped). No parameter may be in two parts.
+
+    Example:
+        >>> enc, dec = model.encoder.parameters(), model.decoder.parameters()
+        >>> opt = MultiOptimizer({
+        ...     "encoder": HPOptimizer(enc, torch.optim.Adam, lr=1e-3),
+        ...     "decoder": HPOptimizer(dec, torch.optim.SGD, lr=0.1, mom=0.9),
+        ... })
+        >>> fit(3, model, loss_func, opt, data)
+        >>> opt["decoder"].lr = 0.05; opt.wd = 1e-4  # one part; every part
+    """
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts: dict[str, HPOptimizer] = _check_parts(parts)
+        # The parts step() steps; None: all. GANTrainer names one per batch.
+        self.active: tuple[str, ...] | None = None
+        self.stepped: tuple[Any, Any] | None = None
+
+    # -- the parts -------------------------------------------------------------
+    def __getitem__(self, name: str) -> HPOptimizer:
+        if name not in self.parts:
+            raise KeyError(
+                f"MultiOptimizer has no part {name!r}; its parts are "
+                f"{list(self.parts)}. Fix: use one of those names."
+            )
+        return self.parts[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.parts
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.parts)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers, in part order."""
+        return [part.opt for part in self.parts.values()]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts.values() for g in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for part in self.parts.values() for p, s in part.state.items()}
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        return next(iter(self.parts.values())).grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        for part in self.parts.values():  # one scaler steps (or skips) them all
+            part.grad_scaler = scaler
+
+    @property
+    def true_wd(self) -> bool | dict[str, bool]:
+        flags = {name: part.true_wd for name, part in self.parts.items()}
+        return _collapse_dict(flags)
+
+    # -- stepping --------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Steps every active part (each notes its ``stepped``: the last one's
+        is this optimizer's)."""
+        if closure is not None:
+            raise ValueError(
+                "MultiOptimizer.step: a closure would run once per part, each "
+                "time recomputing the loss. Fix: step without a closure."
+            )
+        for name in self.parts if self.active is None else self.active:
+            part = self.parts[name]
+            part.step()
+            self.stepped = part.stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts.values():
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """Every part's ``HPOptimizer.state_dict()``, by part name."""
+        return {"parts": {name: p.state_dict() for name, p in self.parts.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("parts") if isinstance(state, dict) else None
+        if not isinstance(saved, dict) or list(saved) != list(self.parts):
+            found = list(saved) if isinstance(saved, dict) else "no parts"
+            raise ValueError(
+                f"MultiOptimizer.load_state_dict: the state holds parts {found}, "
+                f"this optimizer has {list(self.parts)}. Fix: load the state of "
+                "a MultiOptimizer with the same parts, in the same order."
+            )
+        for name, part in self.parts.items():
+            part.load_state_dict(saved[name])
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n!r}: {p!r}" for n, p in self.parts.items())
+        return f"MultiOptimizer({{{inner}}})"
+
+    # -- hyper-parameters ------------------------------------------------------
+    def has(self, name: str) -> bool:
+        """Whether every part has hyper-parameter ``name``."""
+        return all(part.has(name) for part in self.parts.values())
+
+    def missing(self, name: str) -> list[str]:
+        """The parts whose optimizer lacks hyper-parameter ``name``."""
+        return [n for n, part in self.parts.items() if not part.has(name)]
+
+    def get(self, name: str) -> list[float]:
+        """The value of ``name`` for every group of every part, in part order."""
+        self._check_has(name)
+        return [v for part in self.parts.values() for v in part.get(name)]
+
+    def set(self, name: str, value: HyperParam | Mapping[str, Any]) -> None:
+        """Sets ``name``: one number for all, one value per group (all parts'
+        groups, in order), or a dict part name -> value for those parts."""
+        for part, v in self._split(name, value):
+            part.set(name, v)
+
+    def set_lr(self, lr: Any, name: str = "lr") -> None:
+        """Sets the learning rate as ``HPOptimizer.set_lr`` does, over all the
+        parts' groups; a dict gives each part its own (a number, one per
+        group of the part, or a slice spread over the part's groups)."""
+        values = self.spread_lr(lr, name)
+        for part, v in self._split("lr", values):
+            part.set("lr", v)
+
+    def spread_lr(self, lr: Any, name: str = "lr") -> list[float]:
+        """One learning rate per group of every part (``lr_per_group``, per
+        part for a dict)."""
+        counts = {n: len(part.param_groups) for n, part in self.parts.items()}
+        return spread_over_parts(lr, counts, name)
+
+    def set_scheduled(self, name: str, value: HyperParam) -> None:
+        for part, v in self._split(name, value):
+            part.set_scheduled(name, v)
+
+    def scale(self, name: str, factors: HyperParam) -> None:
+        for part, f in self._split(name, factors):
+            part.scale(name, f)
+
+    def reset_scales(self) -> None:
+        for part in self.parts.values():
+            part.reset_scales()
+
+    @property
+    def lr(self) -> float | list[float]:
+        return _collapse(self.get("lr"))
+
+    @lr.setter
+    def lr(self, value: Any) -> None:
+        self.set("lr", value)
+
+    @property
+    def mom(self) -> float | list[float]:
+        return _collapse(self.get("mom"))
+
+    @mom.setter
+    def mom(self, value: Any) -> None:
+        self.set("mom", value)
+
+    @property
+    def beta(self) -> float | list[float]:
+        return _collapse(self.get("beta"))
+
+    @beta.setter
+    def beta(self, value: Any) -> None:
+        self.set("beta", value)
+
+    @property
+    def wd(self) -> float | list[float]:
+        return _collapse(self.get("wd"))
+
+    @wd.setter
+    def wd(self, value: Any) -> None:
+        self.set("wd", value)
+
+    # -- internals -------------------------------------------------------------
+    def _check_has(self, name: str) -> None:
+        if name not in NAMES:
+            next(iter(self.parts.values())).has(name)  # its unknown-name error
+        missing = self.missing(name)
+        if missing:
+            kinds = {n: type(self.parts[n].opt).__name__ for n in missing}
+            raise ValueError(
+                f"the part(s) {kinds} have no hyper-parameter {name!r}, so it "
+                f"cannot be read or set for every part. Fix: set it per part "
+                f"(opt[part].{name} = ...) on the parts that have it: "
+                f"{[n for n in self.parts if n not in missing]}."
+            )
+
+    def _split(self, name: str, value: Any) -> list[tuple[HPOptimizer, Any]]:
+        """(part, its value) pairs: a dict by part name, a number to each, a
+        sequence over all groups cut into the parts' groups."""
+        if isinstance(value, Mapping):
+            check_part_names(value, list(self.parts), name, every=False)
+            return [(self.parts[k], v) for k, v in value.items()]
+        self._check_has(name.split()[0])
+        if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+            values = list(value)
+            if len(values) != len(self.param_groups):
+                raise ValueError(count_mismatch(name, values, len(self.param_groups)))
+            out, start = [], 0
+            for part in self.parts.values():
+                n = len(part.param_groups)
+                out.append((part, values[start : start + n]))
+                start += n
+            return out
+        return [(part, value) for part in self.parts.values()]
+
+
+def spread_over_parts(
+    lr: Any, counts: Mapping[str, int], name: str = "lr"
+) -> list[float]:
+    """One learning rate per group of every part (``counts``: part name ->
+    its number of groups), from what ``check_lr`` accepts: a dict gives each
+    part its own (a number, one per group of the part, or a slice spread over
+    the part's groups); anything else is spread over all the groups."""
+    check_lr(lr, name)
+    if not isinstance(lr, Mapping):
+        return lr_per_group(lr, sum(counts.values()), name)
+    check_part_names(lr, list(counts), name, every=True)
+    return [
+        v
+        for part, n in counts.items()
+        for v in lr_per_group(lr[part], n, f"{name}[{part!r}]")
+    ]
+
+
+def check_part_names(values: Mapping, parts: list[str], name: str, every: bool) -> None:
+    """Refuses a dict by part whose keys name no part (or, ``every``, leave
+    one out), naming ``name``, the argument."""
+    unknown = [k for k in values if k not in parts]
+    absent = [k for k in parts if k not in values] if every else []
+    if unknown or absent:
+        what = f"names no part {unknown}" if unknown else f"leaves out {absent}"
+        example = ", ".join(f"{k!r}: 1e-3" for k in parts)
+        raise ValueError(
+            f"{name}: the dict {what}; the parts are {parts}. Fix: one value "
+            f"per part, e.g. {name}={{{example}}}."
+        )
+
+
+def as_optimizer(opt: Any) -> HPOptimizer | MultiOptimizer:
+    """What ``fit`` trains with: an ``HPOptimizer`` or a ``MultiOptimizer`` as
+    it is, a torch optimizer wrapped, a dict (or list) of them made into a
+    ``MultiOptimizer`` (a list's parts are named ``"0"``, ``"1"``...)."""
+    if isinstance(opt, MultiOptimizer):
+        return opt
+    if isinstance(opt, Mapping):
+        return MultiOptimizer(opt)
+    if isinstance(opt, (list, tuple)):
+        return MultiOptimizer({str(i): o for i, o in enumerate(opt)})
+    return HPOptimizer.wrap(opt)
+
+
+def _check_parts(parts: Any) -> dict[str, HPOptimizer]:
+    if not isinstance(parts, Mapping) or not parts:
+        raise TypeError(
+            f"MultiOptimizer: parts must be a non-empty dict of part name -> "
+            f"optimizer; got {parts!r}. Fix: e.g. MultiOptimizer({{'encoder': "
+            "opt_enc, 'decoder': opt_dec}})."
+        )
+    out: dict[str, HPOptimizer] = {}
+    owner: dict[int, str] = {}
+    for name, opt in parts.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"MultiOptimizer: part names must be non-empty strings; got "
+                f"{name!r}. Fix: name each part, e.g. 'encoder'."
+            )
+        if isinstance(opt, MultiOptimizer):
+            raise TypeError(
+                f"MultiOptimizer: part {name!r} is itself a MultiOptimizer. Fix: "
+                "give its parts here, one level deep."
+            )
+        out[name] = HPOptimizer.wrap(opt)
+        for group in out[name].param_groups:
+            for p in group["params"]:
+                if id(p) in owner and owner[id(p)] != name:
+                    raise ValueError(
+                        f"MultiOptimizer: parts {owner[id(p)]!r} and {name!r} "
+                        f"share a parameter of shape {tuple(p.shape)}: both would "
+                        "step it. Fix: give each parameter to one part only."
+                    )
+                owner[id(p)] = name
+    return out
+
+
+def _collapse_dict(values: dict[str, Any]) -> Any:
+    first = next(iter(values.values()))
+    return first if all(v == first for v in values.values()) else values

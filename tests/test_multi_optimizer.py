@@ -1,0 +1,321 @@
+"""Several optimizers in one fit: a MultiOptimizer, one optimizer per part."""
+
+import copy
+import warnings
+from functools import partial
+
+import pytest
+import torch
+from helpers import make_dataset
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import Callback, DataBunch, HPOptimizer, Learner, MultiOptimizer, fit
+from fitlib.callbacks import (
+    GradientAccumulation,
+    GradientClipping,
+    MixedPrecision,
+    ParamScheduler,
+)
+from fitlib.callbacks.schedule import constant, linear
+
+SGD_MOM = partial(torch.optim.SGD, momentum=0.9)
+
+
+class EncDec(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.decoder = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.decoder(torch.relu(self.encoder(x)))
+
+
+def data(valid=False):
+    train = DataLoader(make_dataset(96), 16, shuffle=True)
+    return DataBunch(train, DataLoader(make_dataset(32, seed=1), 16) if valid else None)
+
+
+def two_opts(model, lr_enc=1e-2, lr_dec=0.1):
+    return {
+        "encoder": torch.optim.Adam(model.encoder.parameters(), lr=lr_enc),
+        "decoder": torch.optim.SGD(model.decoder.parameters(), lr=lr_dec, momentum=0.9),
+    }
+
+
+def hand_written(epochs=2):
+    """The loop a user writes for two optimizers: step both, zero both."""
+    model = EncDec()
+    opts = two_opts(model)
+    torch.manual_seed(1)
+    for _ in range(epochs):
+        model.train()
+        for xb, yb in data().train_dl:
+            F.cross_entropy(model(xb), yb).backward()
+            for opt in opts.values():
+                opt.step()
+            for opt in opts.values():
+                opt.zero_grad()
+    return model
+
+
+def learner(**kwargs):
+    kwargs = {"opt_func": {"encoder": torch.optim.Adam, "decoder": SGD_MOM}} | kwargs
+    kwargs = {"progress": False, "metrics": [], "wd": 0.0, **kwargs}
+    return Learner(data(valid=True), EncDec(), F.cross_entropy, **kwargs)
+
+
+def assert_same_weights(a, b):
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+# -- training equals the hand-written loop -------------------------------------
+def test_fit_with_a_dict_of_optimizers_matches_a_hand_written_loop_bit_for_bit():
+    model = EncDec()
+    opts = two_opts(model)
+    torch.manual_seed(1)
+    fit(2, model, F.cross_entropy, opts, data())
+    assert_same_weights(model, hand_written())
+
+
+def test_learner_with_an_optimizer_class_per_part_matches_the_hand_written_loop():
+    learn = learner(true_wd=False)
+    learn.data = data()
+    torch.manual_seed(1)
+    learn.fit(2, lr={"encoder": 1e-2, "decoder": 0.1})
+    assert isinstance(learn.opt, MultiOptimizer)
+    assert type(learn.opt["encoder"].opt) is torch.optim.Adam
+    assert type(learn.opt["decoder"].opt) is torch.optim.SGD
+    assert_same_weights(learn.model, hand_written())
+
+
+def test_a_list_of_optimizers_trains_each_as_its_own_part():
+    model = EncDec()
+    opts = list(two_opts(model).values())
+    torch.manual_seed(1)
+    fit(2, model, F.cross_entropy, opts, data())
+    assert_same_weights(model, hand_written())
+
+
+# -- hyper-parameters ----------------------------------------------------------
+def test_hyper_parameters_are_read_and_set_for_every_part_or_one():
+    model = EncDec()
+    opt = MultiOptimizer(two_opts(model))
+    assert opt.lr == [1e-2, 0.1] and opt.mom == 0.9  # Adam's beta1, SGD's momentum
+    opt.mom = 0.8  # every part, each under its own key
+    assert opt["encoder"].opt.param_groups[0]["betas"][0] == 0.8
+    assert opt["decoder"].opt.param_groups[0]["momentum"] == 0.8
+    opt.lr = {"decoder": 0.05}  # one part by name
+    assert opt.lr == [1e-2, 0.05]
+    opt["encoder"].lr = 3e-3
+    assert opt.lr == [3e-3, 0.05]
+    opt.set("beta", {"encoder": 0.95})  # where the part has it
+    assert opt["encoder"].beta == 0.95
+    with pytest.raises(
+        ValueError, match=r"'decoder': 'SGD'.*no hyper-parameter 'beta'"
+    ):
+        opt.beta = 0.99
+
+
+def test_discriminative_rates_and_layer_groups_work_inside_a_part():
+    model = EncDec()
+    groups = {"encoder": [model.encoder[0], model.encoder[2]]}
+    learn = Learner(data(), model, F.cross_entropy, progress=False, metrics=[],
+                    opt_func={"encoder": torch.optim.Adam, "decoder": SGD_MOM},
+                    layer_groups=groups)  # fmt: skip
+    learn.fit(1, lr={"encoder": slice(1e-4, 1e-2), "decoder": 0.1})
+    assert learn.opt.lr == pytest.approx([1e-4, 1e-2, 0.1])
+    assert len(learn.layer_groups) == 3
+    learn.freeze()  # every group but the last (the decoder) frozen
+    assert not any(p.requires_grad for p in model.encoder.parameters())
+    assert all(p.requires_grad for p in model.decoder.parameters())
+
+
+# -- callbacks see every optimizer ---------------------------------------------
+class Rates(Callback):
+    """Each step's rates and momentums of both parts, as the step used them."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_backward_end(self, opt):
+        self.seen.append((opt["encoder"].lr, opt["decoder"].lr, opt.mom))
+
+
+def test_one_cycle_schedules_every_part_from_its_own_peak_and_momentum_by_name():
+    rates = Rates()
+    learn = learner(callbacks=[rates])
+    learn.fit_one_cycle(2, lr={"encoder": 1e-3, "decoder": 0.1})
+    enc, dec, moms = zip(*rates.seen)
+    assert max(enc) == pytest.approx(1e-3, rel=0.01)  # (12 steps: near the peak)
+    assert [d / e for e, d in zip(enc, dec)] == pytest.approx([100] * len(enc))
+    assert moms[0] == pytest.approx(0.95) and min(moms) == pytest.approx(0.85, rel=0.01)
+
+
+def test_a_scheduler_of_one_part_leaves_the_other_alone():
+    rates = Rates()
+    sched = ParamScheduler({"lr": linear(0.1, 0.01)}, part="decoder")
+    enc_sched = ParamScheduler({"lr": constant(2e-3)}, part="encoder")
+    learner(callbacks=[rates, sched, enc_sched]).fit(2, lr=1e-3)
+    enc, dec, _ = zip(*rates.seen)
+    assert set(enc) == {2e-3}
+    assert dec[0] == pytest.approx(0.1) and dec[-1] == pytest.approx(0.01)
+
+
+def test_a_schedule_of_every_part_and_one_of_a_part_on_the_same_value_is_refused():
+    both = [ParamScheduler({"lr": constant(0.1)}),
+            ParamScheduler({"lr": constant(0.1)}, part="decoder")]  # fmt: skip
+    with pytest.raises(ValueError, match="both set 'lr'"):
+        learner().fit(1, callbacks=both)
+
+
+def test_lr_find_puts_every_optimizer_back():
+    learn = learner()
+    learn.fit(1, lr=1e-3)
+    before = copy.deepcopy(learn.opt.state_dict())
+    weights = copy.deepcopy(learn.model.state_dict())
+    learn.lr_find(num_it=10)
+    after = learn.opt.state_dict()
+    for name in ("encoder", "decoder"):
+        saved, now = before["parts"][name]["opt"], after["parts"][name]["opt"]
+        assert saved["param_groups"] == now["param_groups"]
+        for i, state in saved["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, now["state"][i][key]), (name, key)
+    assert_same_weights(learn.model, _loaded(weights))
+
+
+def _loaded(state):
+    model = EncDec()
+    model.load_state_dict(state)
+    return model
+
+
+class InfInDecoder(Callback):
+    """Makes one decoder gradient infinite at the first step, before
+    MixedPrecision unscales (order -25)."""
+
+    order = -25
+
+    def on_backward_end(self, model, iteration):
+        if iteration == 0:
+            grad = model.decoder.weight.grad
+            grad[0, 0] = float("inf")
+
+
+def test_float16_skips_every_part_when_one_part_overflows():
+    mp = MixedPrecision(torch.float16)
+    learn = learner(callbacks=[mp, InfInDecoder()])
+    learn.data = data()
+    encoder = copy.deepcopy(learn.model.encoder.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # float16 on the CPU
+        learn.fit(1, lr=1e-2, max_steps=1)
+    assert mp.skipped_steps == 1
+    for k, v in encoder.items():  # the encoder's finite step was skipped too
+        assert torch.equal(learn.model.encoder.state_dict()[k], v), k
+    assert learn.opt.grad_scaler is None  # detached after the fit, from every part
+
+
+class Norm(Callback):
+    order = -5  # after GradientClipping (-10), before the step
+
+    def __init__(self):
+        self.norms = []
+
+    def on_backward_end(self, model):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.cat(
+            [g.flatten() for g in grads]))))  # fmt: skip
+
+
+def test_clipping_clips_the_gradients_of_every_part_together():
+    norm = Norm()
+    learner(callbacks=[GradientClipping(0.05), norm]).fit(1, lr=1e-3)
+    assert max(norm.norms) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_accumulation_steps_every_part_once_per_n_batches():
+    adams = {"encoder": torch.optim.Adam, "decoder": torch.optim.AdamW}
+    learn = learner(opt_func=adams, callbacks=[GradientAccumulation(3)])
+    learn.fit(1, lr=1e-3)  # 6 batches: 2 steps
+    for part in ("encoder", "decoder"):
+        states = learn.opt[part].state.values()
+        assert {int(s["step"]) for s in states} == {2}, part
+
+
+def test_save_and_load_restore_every_part(tmp_path):
+    learn = learner(path=tmp_path)
+    learn.fit(1, lr={"encoder": 1e-3, "decoder": 0.05})
+    learn.save("two")
+    other = learner(path=tmp_path).load("two")
+    assert other.opt.lr == [1e-3, 0.05]
+    saved, loaded = learn.opt.state_dict(), other.opt.state_dict()
+    for name in ("encoder", "decoder"):
+        for i, state in saved["parts"][name]["opt"]["state"].items():
+            for key, value in state.items():
+                got = loaded["parts"][name]["opt"]["state"][i][key]
+                assert torch.equal(value, got), (name, key)
+
+
+def test_loading_a_one_optimizer_file_into_parts_is_refused(tmp_path):
+    one = learner(path=tmp_path, opt_func=torch.optim.Adam)
+    one.fit(1, lr=1e-3)
+    one.save("one")
+    with pytest.raises(
+        ValueError, match=r"MultiOptimizer\(encoder=Adam, decoder=SGD\)"
+    ):
+        learner(path=tmp_path).load("one")
+
+
+# -- bad input, before training ------------------------------------------------
+def test_parts_that_overlap_are_refused():
+    with pytest.raises(ValueError, match=r"parts 'encoder' and 'encoder\.0' overlap"):
+        learner(opt_func={"encoder": torch.optim.Adam, "encoder.0": torch.optim.SGD,
+                          "decoder": torch.optim.SGD})  # fmt: skip
+    model = EncDec()
+    shared = list(model.parameters())
+    with pytest.raises(ValueError, match="share a parameter"):
+        MultiOptimizer(
+            {
+                "a": HPOptimizer(shared, torch.optim.SGD, lr=0.1),
+                "b": HPOptimizer(shared[:1], torch.optim.SGD, lr=1),
+            }
+        )
+
+
+def test_parameters_in_no_part_are_refused_in_the_learner_and_in_fit():
+    with pytest.raises(ValueError, match=r"in no part.*decoder.weight"):
+        learner(opt_func={"encoder": torch.optim.Adam})
+    model = EncDec()
+    only_encoder = {"encoder": torch.optim.Adam(model.encoder.parameters())}
+    with pytest.raises(ValueError, match=r"in no part.*decoder.weight"):
+        fit(1, model, F.cross_entropy, only_encoder, data())
+
+
+def test_a_part_naming_no_submodule_is_refused_with_the_children():
+    with pytest.raises(
+        ValueError, match=r"no submodule 'decodr'.*\['encoder', 'decoder'\]"
+    ):
+        learner(opt_func={"encoder": torch.optim.Adam, "decodr": torch.optim.SGD})
+
+
+def test_a_hyper_parameter_scheduled_on_a_part_without_it_is_refused_before_training():
+    learn = learner()
+    with pytest.raises(ValueError, match=r"schedules \['beta'\].*\['decoder'\]"):
+        learn.fit(1, callbacks=[ParamScheduler({"beta": constant(0.99)})])
+    assert learn.recorder.iterations == []
+
+
+def test_a_rate_per_part_that_leaves_one_out_or_names_none_is_refused():
+    with pytest.raises(ValueError, match=r"leaves out \['decoder'\]"):
+        learner().fit(1, lr={"encoder": 1e-3})
+    with pytest.raises(ValueError, match=r"names no part \['head'\]"):
+        learner().fit(1, lr={"encoder": 1e-3, "decoder": 0.1, "head": 1.0})
+    one = learner(opt_func=torch.optim.Adam)
+    with pytest.raises(ValueError, match="gives a value per part"):
+        one.fit(1, lr={"encoder": 1e-3, "decoder": 0.1})
