@@ -45,6 +45,10 @@ def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
         default=seed,
         help=f"seeds data, weights, order (default: {seed})",
     )
+    for name, default in defaults.items():  # an example's own switches
+        if isinstance(default, bool) and name != "progress":
+            flag = "--" + name.replace("_", "-")
+            parser.add_argument(flag, action="store_true", help=f"{name} (off)")
     return vars(parser.parse_args())
 
 

@@ -287,7 +287,7 @@ class Learner:
         checks it and spreads it over the layer groups (``HPOptimizer.set_lr``).
         """
         lr = self._default_lr() if lr is None else lr
-        wd = self.wd if wd is None else wd
+        wd = self._wd(wd)
         if self.opt is None and not isinstance(self.opt_func, dict):
             groups = [{"params": params} for params in self.layer_groups]
             self.opt = HPOptimizer(
@@ -320,8 +320,15 @@ class Learner:
         starts at 1e-3 and an existing one keeps its lr until then."""
         if self.opt is None:
             return self.create_opt(1e-3, wd)
-        self.opt.wd = self.wd if wd is None else wd
+        self.opt.wd = self._wd(wd)
         return self.opt
+
+    def _wd(self, wd: float | dict | None) -> float | dict:
+        """``wd``, or the Learner's; a dict by part must name every part."""
+        wd = self.wd if wd is None else wd
+        if isinstance(wd, dict):
+            check_part_names(wd, list(self.part_groups), "wd", every=True)
+        return wd
 
     def _default_lr(self) -> float:
         """The lr used when none is given: 1e-3, said once per process."""

@@ -498,13 +498,22 @@ def lr_per_group(lr: LR, n: int, name: str = "lr") -> list[float]:
     return values
 
 
+def _groups_example(name: str) -> str:
+    """``layer_groups=...`` as the message for ``name`` should show it: by part
+    for a part's rate (``lr['encoder']``)."""
+    if "[" in name:
+        part = name[name.index("[") + 1 : name.rindex("]")]
+        return f"layer_groups={{{part}: [body, head]}}"
+    return "layer_groups=[body, head]"
+
+
 def _spread(lr: slice, n: int, name: str) -> list[float]:
     if n == 1:
         raise ValueError(
             f"{name}={lr!r} spreads learning rates over layer groups, but there "
             "is only 1 parameter group, so the slice would mean nothing. Fix: "
             f"pass one number (e.g. {name}=1e-3), or split the model into "
-            "groups, e.g. Learner(..., layer_groups=[body, head])."
+            f"groups, e.g. Learner(..., {_groups_example(name)})."
         )
     stop = float(lr.stop)
     if lr.start is None:

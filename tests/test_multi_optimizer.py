@@ -319,3 +319,16 @@ def test_a_rate_per_part_that_leaves_one_out_or_names_none_is_refused():
     one = learner(opt_func=torch.optim.Adam)
     with pytest.raises(ValueError, match="gives a value per part"):
         one.fit(1, lr={"encoder": 1e-3, "decoder": 0.1})
+
+
+def test_a_weight_decay_per_part_that_leaves_one_out_is_refused_in_fit_too():
+    learn = learner()
+    with pytest.raises(ValueError, match=r"wd: the dict leaves out \['decoder'\]"):
+        learn.fit(1, lr=1e-3, wd={"encoder": 1e-3})
+    learn.fit(1, lr=1e-3, wd={"encoder": 1e-3, "decoder": 0.0})
+    assert learn.opt.wd == [1e-3, 0.0]
+
+
+def test_a_slice_for_a_part_of_one_group_says_how_to_split_that_part():
+    with pytest.raises(ValueError, match=r"layer_groups=\{'encoder': \[body, head\]\}"):
+        learner().fit(1, lr={"encoder": slice(1e-4, 1e-2), "decoder": 0.1})
