@@ -678,7 +678,9 @@ class CallbackHandler:
         if "opt" in update:
             new, old = as_optimizer(update["opt"]), state["opt"]
             check_trainable(self.eval_model, new)
-            new.grad_scaler = getattr(old, "grad_scaler", None)  # MixedPrecision's
+            # MixedPrecision's loss scaler moves to the new one: the old one
+            # (learn.opt, say) steps plainly again, as after the fit.
+            new.grad_scaler, old.grad_scaler = getattr(old, "grad_scaler", None), None
             update["opt"] = new
         if "loss_func" in update:
             new = update["loss_func"]

@@ -174,14 +174,12 @@ def fit_states(
                         if ended:
                             break
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
-                    model, loss_func, opt = (
-                        state["model"],
-                        state["loss_func"],
-                        state["opt"],
-                    )
+                    # Read at each batch: a callback may have swapped them.
+                    model, loss_func = state["model"], state["loss_func"]
+                    opt = state["opt"]
                     loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
                     stop = cb_handler.on_batch_end(loss)
-                    yield cb_handler.state
+                    yield state
                     if stop:
                         break
                 if ended or _end_record(cb_handler, batch_fn, mid_epoch=False):

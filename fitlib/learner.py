@@ -197,8 +197,7 @@ class Learner:
                 )
         self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
         self.part_groups = _part_groups(model, self.opt_func, layer_groups)
-        if isinstance(self.wd, dict):
-            check_part_names(self.wd, list(self.part_groups), "wd", every=True)
+        self._wd(wd)  # a dict by part names every part
         # Every part's layer groups, in part order: freeze_to counts them.
         self.layer_groups = [g for gs in self.part_groups.values() for g in gs]
         self.callbacks = callback_list(callbacks)
@@ -326,6 +325,12 @@ class Learner:
     def _wd(self, wd: float | dict | None) -> float | dict:
         """``wd``, or the Learner's; a dict by part must name every part."""
         wd = self.wd if wd is None else wd
+        if isinstance(wd, dict) and "" in self.part_groups:
+            raise TypeError(
+                f"wd={wd!r} gives a value per part, but the Learner has one "
+                "optimizer (no parts). Fix: one number (e.g. wd=1e-2), or "
+                "opt_func={part: class, ...} for one optimizer per part."
+            )
         if isinstance(wd, dict):
             check_part_names(wd, list(self.part_groups), "wd", every=True)
         return wd
@@ -927,10 +932,11 @@ def _check_part_cover(model: nn.Module, parts: dict[str, list[list]]) -> None:
                     "disjoint submodules."
                 )
             owner[id(p)] = part
-    left = [n for n, p in model.named_parameters() if id(p) not in owner]
+    left = [n for n, p in model.named_parameters()
+            if id(p) not in owner and p.requires_grad]  # fmt: skip
     if left:
         raise ValueError(
-            f"Learner: {len(left)} parameter(s) of the model are in no part "
+            f"Learner: {len(left)} trainable parameter(s) of the model are in no part "
             f"({list(parts)}), e.g. {left[:3]}: no optimizer would train them. "
             "Fix: add their module as a part in opt_func, or make the parts "
             "cover the model."

@@ -235,7 +235,8 @@ class MultiOptimizer:
         if isinstance(value, Mapping):
             check_part_names(value, list(self.parts), name, every=False)
             return [(self.parts[k], v) for k, v in value.items()]
-        self._check_has(name.split()[0])
+        if name != "wd":  # (wd=0 on a part without weight decay: nothing to do)
+            self._check_has(name.split()[0])
         if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
             values = list(value)
             if len(values) != len(self.param_groups):

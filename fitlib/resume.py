@@ -98,6 +98,13 @@ def check_callbacks(callbacks: list[Callback], states: list, path: Path) -> None
 
 
 # -- what identifies a run ---------------------------------------------------------
+def _scheduled(name: str, schedules: dict) -> bool:
+    """Whether a schedule sets ``name``: of every part (``lr``) or of one
+    (``decoder.lr``; the hyper-parameter then differs between runs in that
+    part, which the schedule's settings already compare)."""
+    return any(key.rpartition(".")[2] == name for key in schedules)
+
+
 def run_signature(
     opt: Any, n_epochs: Any, max_steps: Any, train_dl: Any, callbacks: list
 ) -> dict:
@@ -116,7 +123,7 @@ def run_signature(
         "hyper": {
             name: opt.get(name)
             for name in HYPER
-            if opt.has(name) and name not in schedules
+            if opt.has(name) and not _scheduled(name, schedules)
         },
         "schedules": schedules,
         "n_epochs": n_epochs,
@@ -370,11 +377,13 @@ class StateWatch:
 
 
 def _fingerprints(cb: Callback) -> dict[str, bytes | None]:
-    """Each attribute's pickled bytes (None: tensors, modules and what cannot
-    be pickled are not compared)."""
+    """Each attribute's pickled bytes (None: tensors, modules, optimizers (a
+    model or optimizer a callback keeps to swap in: its state is the fit's
+    once it trains) and what cannot be pickled are not compared)."""
     out: dict[str, bytes | None] = {}
     for key, value in vars(cb).items():
-        if isinstance(value, (torch.Tensor, torch.nn.Module)):
+        optimizer = hasattr(value, "param_groups") and hasattr(value, "state_dict")
+        if optimizer or isinstance(value, (torch.Tensor, torch.nn.Module)):
             out[key] = None
             continue
         try:

@@ -13,6 +13,7 @@ from fitlib.checks import check_int
 
 # RunningLoss and step_lr live with the epoch record; imported from here too.
 from fitlib.record import RunningLoss, step_lr, to_floats  # noqa: F401
+from fitlib.serialization import optimizer_identity
 
 
 class TrainClock:
@@ -94,3 +95,16 @@ def check_state_keys(state: Any, expected: tuple[str, ...], owner: str) -> None:
             f"returns (keys {sorted(expected)}); got {got}. Fix: pass what "
             f"{owner}.state_dict() returned."
         )
+
+
+def optimizer_params(opt: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The optimizer's class and its hyper-parameters ``names`` (the last
+    group's), for a tracker's parameters; a ``MultiOptimizer``'s per part
+    (``decoder.mom``), with every part's class in ``optimizer``."""
+    values: dict[str, Any] = {"optimizer": optimizer_identity(opt)["opt_class"]}
+    parts = getattr(opt, "parts", None) or {"": opt}
+    for part, one in parts.items():
+        for name in names:
+            if hasattr(one, "has") and one.has(name):
+                values[f"{part}.{name}" if part else name] = one.get(name)[-1]
+    return values

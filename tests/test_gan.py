@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
 
-from fitlib import Callback, DataBunch, GANLoss, GANModule, Learner, fit
+from fitlib import Callback, DataBunch, GANLoss, GANModule, Learner, MultiOptimizer, fit
 from fitlib.callbacks import GANTrainer, GradientAccumulation
 
 ADAM = {"generator": torch.optim.Adam, "critic": torch.optim.Adam}
@@ -211,3 +211,15 @@ def test_bad_settings_are_refused():
         GANLoss("wasserstein")
     with pytest.raises(TypeError, match=r"critic must be an nn\.Module"):
         GANModule(nn.Linear(1, 1), lambda x: x, noise_size=1)
+
+
+def test_a_gan_trainer_under_ddp_without_unused_parameters_is_refused():
+    class Wrapper(nn.Module):  # what DistributedDataParallel looks like here
+        def __init__(self, module):
+            super().__init__()
+            self.module, self.find_unused_parameters = module, False
+
+    model = gan()
+    opt = MultiOptimizer(optimizers(model))
+    with pytest.raises(ValueError, match="find_unused_parameters=True"):
+        GANTrainer().on_train_begin(model=Wrapper(model), opt=opt)

@@ -13,12 +13,17 @@ from torch.utils.data import DataLoader
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, MultiOptimizer, fit
 from fitlib.callbacks import (
+    Checkpoint,
     GradientAccumulation,
     GradientClipping,
     MixedPrecision,
+    OneCycleScheduler,
     ParamScheduler,
+    ReduceLROnPlateau,
+    TrainStats,
 )
 from fitlib.callbacks.schedule import constant, linear
+from fitlib.tracking import optimizer_params
 
 SGD_MOM = partial(torch.optim.SGD, momentum=0.9)
 
@@ -332,3 +337,83 @@ def test_a_weight_decay_per_part_that_leaves_one_out_is_refused_in_fit_too():
 def test_a_slice_for_a_part_of_one_group_says_how_to_split_that_part():
     with pytest.raises(ValueError, match=r"layer_groups=\{'encoder': \[body, head\]\}"):
         learner().fit(1, lr={"encoder": slice(1e-4, 1e-2), "decoder": 0.1})
+
+
+# -- found in review -----------------------------------------------------------
+def test_reduce_lr_on_plateau_reduces_every_part():
+    plateau = ReduceLROnPlateau(
+        monitor="valid_loss", patience=0, min_delta=10.0, factor=0.2
+    )
+    learn = learner(callbacks=[plateau])
+    learn.fit(2, lr={"encoder": 1e-3, "decoder": 0.1})
+    assert learn.opt.lr == pytest.approx([2e-4, 0.02])  # after epoch 0 (none after 1)
+
+
+def test_a_part_schedule_does_not_stop_a_checkpoint_from_resuming(tmp_path):
+    def make(crash_at=None):
+        sched = ParamScheduler({"lr": linear(0.1, 0.01)}, part="decoder")
+        extra = [Crash(crash_at)] if crash_at is not None else []
+        return learner(callbacks=[Checkpoint(tmp_path / "ck"), sched, *extra])
+
+    ref = learner(callbacks=[ParamScheduler({"lr": linear(0.1, 0.01)}, part="decoder")])
+    ref.fit(3, lr=1e-3)
+    with pytest.raises(RuntimeError, match="crash"):
+        make(crash_at=8).fit(3, lr=1e-3)
+    resumed = make()
+    resumed.fit(3, lr=1e-3)  # not refused as "another run"
+    assert_same_weights(resumed.model, ref.model)
+
+
+class Crash(Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_batch_begin(self, iteration, train):
+        if train and iteration == self.at:
+            raise RuntimeError("crash")
+
+
+def test_frozen_parameters_may_be_in_no_part():
+    model = EncDec()
+    model.encoder.requires_grad_(False)
+    learn = Learner(data(), model, F.cross_entropy, progress=False, metrics=[],
+                    opt_func={"decoder": torch.optim.SGD})  # fmt: skip
+    learn.fit(1, lr=0.1)
+    assert learn.opt.names == ["decoder"]
+
+
+def test_weight_decay_zero_with_a_part_that_has_none_is_fine():
+    learn = learner(opt_func={"encoder": torch.optim.SGD, "decoder": torch.optim.Rprop})
+    learn.fit(1, lr=1e-3, wd=0.0)
+    assert learn.opt["encoder"].wd == 0.0
+
+
+def test_weight_decay_per_part_without_parts_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"one optimizer \(no parts\)"):
+        learner(opt_func=torch.optim.SGD, wd={"encoder": 0.0})
+
+
+def test_one_cycle_of_one_part_with_a_rate_per_part_is_refused():
+    with pytest.raises(ValueError, match=r"that part's own"):
+        OneCycleScheduler(lr={"encoder": 1e-3, "decoder": 0.1}, part="decoder")
+
+
+def test_trackers_log_every_parts_class_and_hyper_parameters():
+    model = EncDec()
+    opt = MultiOptimizer(two_opts(model))
+    params = optimizer_params(opt, ("mom", "wd"))
+    assert params["optimizer"] == "MultiOptimizer(encoder=Adam, decoder=SGD)"
+    assert params["encoder.mom"] == 0.9 and params["decoder.mom"] == 0.9
+    assert optimizer_params(opt["decoder"], ("mom",)) == {
+        "optimizer": "SGD",
+        "mom": 0.9,
+    }
+
+
+def test_train_stats_reads_the_gradients_of_every_part():
+    stats, norm = TrainStats(every_n_steps=1), Norm()
+    learner(callbacks=[stats, norm]).fit(1, lr=1e-3)
+    # TrainStats (order -15) and Norm (-5, nothing between them clips) agree:
+    # the norm over the encoder's and the decoder's gradients together.
+    reported = [h["grad_norm"] for h in stats.history]
+    assert reported == pytest.approx(norm.norms, rel=1e-5)

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, fit, validate
+from fitlib import Callback, DataBunch, HPOptimizer, fit, validate
 from fitlib.metrics import Accuracy, F1Score, accuracy
 
 
@@ -195,3 +195,38 @@ def test_a_returned_optimizer_of_another_model_is_refused():
             DataBunch(loader()),
             callbacks=[Swap("opt", stray)],
         )
+
+
+@pytest.mark.filterwarnings("ignore:MixedPrecision.float16. on the CPU")
+def test_a_swapped_optimizer_takes_the_loss_scaler_and_the_old_one_lets_go():
+    from fitlib.callbacks import MixedPrecision
+
+    m = model()
+    old = HPOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    new = HPOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    mp, seen = MixedPrecision(torch.float16), []
+
+    class Spy(Callback):
+        order = 5
+
+        def on_backward_end(self, opt, epoch):
+            seen.append((epoch, opt is new, opt.grad_scaler is mp.scaler))
+
+    fit(2, m, F.cross_entropy, old, DataBunch(loader()),
+        callbacks=[mp, Swap("opt", new), Spy()])  # fmt: skip
+    assert {s for s in seen if s[0] == 1} == {(1, True, True)}
+    assert old.grad_scaler is None and new.grad_scaler is None  # after the fit
+
+
+def test_a_checkpoint_saves_the_optimizer_and_model_a_callback_swapped_in(tmp_path):
+    from fitlib.callbacks import Checkpoint
+    from fitlib.serialization import safe_load
+
+    m = model()
+    adam = HPOptimizer(m.parameters(), torch.optim.Adam, lr=1e-3)
+    ckpt = Checkpoint(tmp_path)
+    fit(3, m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1),
+        DataBunch(loader()), callbacks=[ckpt, Swap("opt", adam)])  # fmt: skip
+    saved = safe_load(ckpt.checkpoints()[-1])
+    assert "betas" in saved["opt"]["opt"]["param_groups"][0]  # Adam's, not SGD's
+    assert len(saved["opt"]["opt"]["state"]) == 2  # the steps Adam took

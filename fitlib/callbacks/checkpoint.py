@@ -232,9 +232,10 @@ class Checkpoint(Callback):
         return None
 
     def on_epoch_begin(
-        self, epoch: int, iteration: int, step: int, data: Any
+        self, epoch: int, iteration: int, step: int, data: Any, model: Any, opt: Any
     ) -> dict | None:
         """Runs first in each epoch: saves at an epoch boundary, or resumes."""
+        self._model, self._opt = model, opt  # (a callback may have swapped them)
         self._keep_best()
         if self._resume is not None:
             return self._resume_epoch(data)
@@ -245,12 +246,20 @@ class Checkpoint(Callback):
         return None
 
     def on_batch_begin(
-        self, train: bool, epoch: int, num_batch: int, iteration: int, step: int
+        self,
+        train: bool,
+        epoch: int,
+        num_batch: int,
+        iteration: int,
+        step: int,
+        model: Any,
+        opt: Any,
     ) -> None:
         """Runs first for each batch: judges a validation inside the epoch;
         saves when a checkpoint is due."""
         if not train:
             return
+        self._model, self._opt = model, opt  # (a callback may have swapped them)
         if self._judge is not None:  # the record of a validation just before
             self._keep_best()
         if self._due:  # after a step: no gradients half accumulated
@@ -315,6 +324,7 @@ class Checkpoint(Callback):
             if state["exception"] is None or self._ended(state["epoch"]):
                 self._keep_best()
             if getattr(self, "_model", None) is not None:
+                self._model, self._opt = state["model"], state["opt"]
                 where = final_position(state)
                 if where is not None:
                     self._rng_before_fetch = get_rng_state(self._loader)

@@ -67,6 +67,14 @@ class GANTrainer(Callback):
                 f"model is a {type(gan).__name__}. Fix: model=GANModule("
                 "generator, critic, noise_size=...)."
             )
+        if getattr(model, "find_unused_parameters", True) is False:  # DDP's
+            raise ValueError(
+                "GANTrainer under DistributedDataParallel: each turn leaves one "
+                "part's parameters without gradients, which DDP refuses unless "
+                "it looks for unused parameters. Fix: learn.to_distributed("
+                "find_unused_parameters=True) (DistributedTrainer(..., "
+                "find_unused_parameters=True))."
+            )
         _check_parts(gan, opt)
         self._gan, self._turn = gan, None
         self._grad = {id(p): p.requires_grad for p in gan.parameters()}
@@ -75,7 +83,7 @@ class GANTrainer(Callback):
         """Runs before each batch: sets the turn, what steps, what learns."""
         if not train:
             return
-        turn = self.turn(step)
+        turn = self.turn(step)  # (opt read each batch: a callback may swap it)
         opt.active = (turn,)
         self._gan.mode = turn
         if turn != self._turn:

@@ -17,9 +17,8 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int
 from fitlib.errors import name_of
-from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size
-from fitlib.tracking import last_lr, read_into
+from fitlib.tracking import last_lr, optimizer_params, read_into
 
 # What a resumed fit needs (run, step offset, the interval in progress).
 _STATE_KEYS = ("run_id", "base", "epoch_base", "fits", "interval", "last_point")
@@ -402,17 +401,13 @@ def _auto_params(state: dict) -> dict:
     params: dict[str, Any] = {
         "model": type(getattr(model, "module", model)).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "optimizer": type(getattr(opt, "opt", opt)).__name__,
         "epochs": state["n_epochs"],
         "max_steps": state["max_steps"],
         "batch_size": getattr(getattr(data, "train_dl", None), "batch_size", None),
         "loss_func": name_of(state["loss_func"]),
         "metrics": ", ".join(getattr(state["metrics"], "names", None) or []) or None,
     }
-    if isinstance(opt, HPOptimizer):
-        for name in _HYPERS:
-            if opt.has(name):
-                params[name] = opt.get(name)[-1]
+    params.update(optimizer_params(opt, _HYPERS))
     seen: dict[str, int] = {}
     for cb in state["callbacks"]:
         key = f"callback.{cb.name}"

@@ -11,6 +11,7 @@ of ``torch.optim.lr_scheduler.OneCycleLR`` given ``div_factor``,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fitlib.callbacks.schedule import ParamScheduler, cosine
@@ -80,6 +81,13 @@ class OneCycleScheduler(ParamScheduler):
         self.final_div, self.moms = final_div, moms
         self.schedules = {}  # built in on_train_begin, for the optimizer's groups
         self._plan(total_steps, part)
+        if part is not None and isinstance(self.max_lr, Mapping):
+            raise ValueError(
+                f"{self.name}(part={part!r}) got {self.lr_name}={self.max_lr!r}, a "
+                "dict by part: with part=..., the rate is that part's own (a "
+                f"number, one per group of the part, or a slice). Fix: e.g. "
+                f"{self.lr_name}=1e-3, or part=None to schedule every part."
+            )
 
     @property
     def sets_hypers(self) -> tuple[str, ...]:

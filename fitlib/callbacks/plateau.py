@@ -15,6 +15,7 @@ from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.errors import is_number
 from fitlib.monitor import Monitor
+from fitlib.multi_optimizer import MultiOptimizer, as_optimizer
 from fitlib.optim import HPOptimizer
 
 # As torch's eps: a smaller change is rounding noise (0.1**3 lands 2e-19 above a
@@ -135,11 +136,13 @@ class ReduceLROnPlateau(Callback):
             self.cooldown_counter -= 1
             self.num_bad_epochs = 0
         if self.num_bad_epochs > self.patience:
-            self._reduce(HPOptimizer.wrap(opt), epoch, value)
+            self._reduce(as_optimizer(opt), epoch, value)
             self.cooldown_counter = self.cooldown
             self.num_bad_epochs = 0
 
-    def _reduce(self, opt: HPOptimizer, epoch: int, value: float) -> None:
+    def _reduce(
+        self, opt: HPOptimizer | MultiOptimizer, epoch: int, value: float
+    ) -> None:
         old = opt.get("lr")
         floors = self._min_lrs(len(old))
         new = [max(lr * self.factor, lo) for lr, lo in zip(old, floors)]

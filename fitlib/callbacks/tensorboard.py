@@ -18,10 +18,9 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.checks import check_int
-from fitlib.optim import HPOptimizer
 from fitlib.record import Record, batch_size
 from fitlib.tracking import last_lr as _last_lr
-from fitlib.tracking import read_into
+from fitlib.tracking import optimizer_params, read_into
 
 _HPARAM_TYPES = (bool, int, float, str)
 _NOT_METRICS = ("epoch", "step", "lr", "time")
@@ -269,14 +268,9 @@ def _auto_hparams(
     values = {
         "epochs": n_epochs,
         "max_steps": max_steps,
-        "optimizer": type(getattr(opt, "opt", opt)).__name__,
         "model": type(model).__name__,
     }
-    if isinstance(opt, HPOptimizer):
-        for name in ("mom", "wd"):
-            if opt.has(name):
-                values[name] = opt.get(name)[-1]
-    return values
+    return {**values, **optimizer_params(opt, ("mom", "wd"))}
 
 
 def _check_log_dir(log_dir: Any) -> str:
