@@ -27,7 +27,10 @@ def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     epochs, bs = defaults["epochs"], defaults["batch_size"]
     parser.add_argument(
-        "--epochs", type=positive, default=epochs, help=f"epochs (default: {epochs})"
+        "--epochs",
+        type=positive,
+        default=epochs,
+        help=f"epochs (default: {epochs or 'see the description'})",
     )
     parser.add_argument(
         "--batch-size", type=positive, default=bs, help=f"batch size (default: {bs})"

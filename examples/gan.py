@@ -12,8 +12,10 @@ two values to each epoch's record, from 2,000 generated points:
 - ``quality``: the share of the points within 0.2 of some centre.
 
 ``--wgan-gp`` trains a Wasserstein GAN with the gradient penalty of the
-README's recipe (``GradientPenalty``) and 5 critic steps per generator step,
-instead of the standard (binary cross-entropy) GAN.
+README's recipe (``GradientPenalty``; weight 1, which learned this ring
+faster than the usual 10) and 5 critic steps per generator step, instead of
+the standard (binary cross-entropy) GAN: the generator steps on one batch in
+six, so it trains 36 epochs by default instead of 12.
 
 Run it with::
 
@@ -132,7 +134,7 @@ def build(
     adam = partial(torch.optim.Adam, betas=betas)
     callbacks = [GANTrainer(n_critic=5 if wgan_gp else 1), ModeCoverage()]
     if wgan_gp:
-        callbacks.append(GradientPenalty(10.0))
+        callbacks.append(GradientPenalty(1.0))
     return Learner(
         data,
         gan,
@@ -145,16 +147,19 @@ def build(
 
 
 def main(
-    epochs: int = 12,
+    epochs: int | None = None,
     batch_size: int = 128,
     n: int | None = None,
     progress: bool = True,
     seed: int = 0,
     wgan_gp: bool = False,
 ) -> Learner:
-    """Train the GAN; return the Learner."""
+    """Train the GAN (``epochs`` None: 12, or 36 with ``wgan_gp``); return
+    the Learner."""
     learn = build(batch_size, n, progress, seed, wgan_gp)
-    learn.fit(epochs, lr={"generator": 2e-3, "critic": 2e-3})
+    lr = 1e-3 if wgan_gp else 2e-3
+    epochs = epochs or (36 if wgan_gp else 12)
+    learn.fit(epochs, lr={"generator": lr, "critic": lr})
     return learn
 
 

@@ -30,3 +30,11 @@ def test_the_gan_learns_every_mode_of_the_ring():
     assert table[-1]["quality"] > 0.6  # most samples near a centre
     assert all(r["train_critic"] is not None for r in table)
     assert table[-1]["valid_generator"] is not None
+
+
+def test_the_wgan_gp_recipe_learns_the_ring_too():
+    learn = gan.main(progress=False, seed=2, wgan_gp=True)
+    table = learn.recorder.epoch_table()
+    assert table[0]["modes"] <= 3
+    assert table[-1]["modes"] >= 7 and table[-1]["quality"] > 0.4
+    assert table[-1]["train_critic"] < 0  # (a Wasserstein estimate, minus)
