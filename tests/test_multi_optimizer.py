@@ -4,6 +4,7 @@ import copy
 import warnings
 from functools import partial
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 from helpers import make_dataset
@@ -417,3 +418,16 @@ def test_train_stats_reads_the_gradients_of_every_part():
     # the norm over the encoder's and the decoder's gradients together.
     reported = [h["grad_norm"] for h in stats.history]
     assert reported == pytest.approx(norm.norms, rel=1e-5)
+
+
+def test_plot_lr_says_which_part_its_rates_are():
+    learn = learner()
+    learn.fit(1, lr={"encoder": 1e-3, "decoder": 0.05})
+    assert set(learn.recorder.lrs) == {0.05}  # the last part's
+    lr_ax, mom_ax = learn.recorder.plot_lr(show_moms=True)
+    assert lr_ax.get_ylabel() == "learning rate (part 'decoder')"
+    assert mom_ax.get_ylabel() == "momentum (part 'decoder')"
+    one = learner(opt_func=torch.optim.SGD)
+    one.fit(1, lr=0.1)
+    assert one.recorder.plot_lr().get_ylabel() == "learning rate"
+    plt.close("all")

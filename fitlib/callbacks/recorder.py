@@ -182,6 +182,9 @@ class Recorder(Callback):
         self._epochs_done = 0
         self.epoch_iterations: list[int] = []
         self.metric_names: list[str] = []
+        # With several optimizers, the part whose rates lrs and moms hold (the
+        # last part's last group, as the record's lr): plot_lr says so.
+        self.lr_part: str | None = None
 
     # The per-epoch lists, read from the rows.
     @property
@@ -273,8 +276,10 @@ class Recorder(Callback):
         return list(map(attrgetter(_FIELDS[key]), points))
 
     # -- hooks -----------------------------------------------------------------
-    def on_train_begin(self, metrics: Any, iteration: int) -> None:
+    def on_train_begin(self, metrics: Any, iteration: int, opt: Any) -> None:
         """Runs before training: takes the metric names of this fit."""
+        names = getattr(opt, "names", None)  # a MultiOptimizer's parts
+        self.lr_part = names[-1] if names else None
         self._flush()  # an interrupted fit's steps, before the device may change
         if iteration == 0:  # each fit smooths afresh, as the loop does
             self._smoother = LossSmoother()  # (a resumed one continues)
@@ -485,9 +490,11 @@ class Recorder(Callback):
                 "plot_lr(show_moms=True): no momentum was recorded (the "
                 "optimizer has neither betas nor momentum). Fix: show_moms=False."
             )
-        panels = {"learning rate": self.lrs}
+        part = "" if self.lr_part is None else f" (part {self.lr_part!r})"
+        panels = {f"learning rate{part}": self.lrs}
         if show_moms:
-            panels["momentum"] = [math.nan if m is None else m for m in self.moms]
+            moms = [math.nan if m is None else m for m in self.moms]
+            panels[f"momentum{part}"] = moms
         where = f"plot_lr(show_moms={show_moms})"
         return plots.per_step(ax, self.iterations, panels, where)
 
