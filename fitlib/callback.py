@@ -11,7 +11,9 @@ State keys (the only keys a hook may return):
 key                 meaning
 ==================  ==========================================================
 model               the ``nn.Module`` being trained
-opt                 the optimizer (an ``HPOptimizer`` when ``fit`` drives it)
+opt                 the optimizer (an ``HPOptimizer``, or a ``MultiOptimizer``
+                    for several; a callback may swap it, as the model,
+                    the loss function and the metrics: see below)
 data                the data object (``train_dl``, ``valid_dl``)
 loss_func           the loss function, called as ``loss_func(out, *targets)``
 metrics             the ``fitlib.metrics.Metrics`` of the run (``.names``)
@@ -675,12 +677,16 @@ class CallbackHandler:
             new = _check_model(owner, state["model"], update["model"], event)
             inner = getattr(new, "module", None)  # a wrapper (DDP) of the model
             self.eval_model = inner if inner is self.eval_model else new
+        if "model" in update and "opt" not in update:  # the optimizer steps it?
+            check_trainable(self.eval_model, state["opt"])
         if "opt" in update:
             new, old = as_optimizer(update["opt"]), state["opt"]
             check_trainable(self.eval_model, new)
             # MixedPrecision's loss scaler moves to the new one: the old one
             # (learn.opt, say) steps plainly again, as after the fit.
-            new.grad_scaler, old.grad_scaler = getattr(old, "grad_scaler", None), None
+            if new is not old:
+                new.grad_scaler = getattr(old, "grad_scaler", None)
+                old.grad_scaler = None
             update["opt"] = new
         if "loss_func" in update:
             new = update["loss_func"]

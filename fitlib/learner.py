@@ -283,7 +283,8 @@ class Learner:
         """Creates the optimizer on first use; afterwards only sets lr and wd.
 
         ``lr`` (None: 1e-3, said once) goes as given to the optimizer, which
-        checks it and spreads it over the layer groups (``HPOptimizer.set_lr``).
+        checks it and spreads it over the layer groups (``HPOptimizer.set_lr``;
+        with parts, ``MultiOptimizer.set_lr``, a dict by part too).
         """
         lr = self._default_lr() if lr is None else lr
         wd = self._wd(wd)
@@ -312,7 +313,9 @@ class Learner:
             for name, groups in self.part_groups.items()
         }
 
-    def _opt_for_schedule(self, wd: float | None) -> HPOptimizer | MultiOptimizer:
+    def _opt_for_schedule(
+        self, wd: float | dict | None
+    ) -> HPOptimizer | MultiOptimizer:
         """The optimizer of a fit whose scheduler sets the lr. The scheduler
         spreads its lr over the groups and sets the first step's values in
         ``on_train_begin``, before any step, so an optimizer created now
@@ -900,7 +903,8 @@ def _part_groups(
             "layer_groups must be a dict part name -> its groups. Fix: e.g. "
             f"layer_groups={{{next(iter(opt_func))!r}: [body, head]}}."
         )
-    check_part_names(layer_groups or {}, list(opt_func), "layer_groups", every=False)
+    check_part_names(layer_groups or {}, list(opt_func), "layer_groups", every=False,
+                     example="[body, head]")  # fmt: skip
     parts = {name: _submodule(model, name) for name in opt_func}
     out = {n: _split_groups(m, (layer_groups or {}).get(n)) for n, m in parts.items()}
     _check_part_cover(model, out)

@@ -27,6 +27,7 @@ from fitlib.optim import (
     _collapse,
     check_lr,
     count_mismatch,
+    lr_and_momentum,
     lr_per_group,
 )
 
@@ -101,17 +102,18 @@ class MultiOptimizer:
 
     # -- stepping --------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """Steps every active part (each notes its ``stepped``: the last one's
-        is this optimizer's)."""
+        """Steps every active part. ``stepped`` notes the ``(lr, mom)`` of the
+        last part's last group, stepped or not, so the Recorder's rates and
+        the record's ``lr`` are always the same part's (also in a GAN's
+        turns)."""
         if closure is not None:
             raise ValueError(
                 "MultiOptimizer.step: a closure would run once per part, each "
                 "time recomputing the loss. Fix: step without a closure."
             )
+        self.stepped = lr_and_momentum(self.param_groups[-1])
         for name in self.parts if self.active is None else self.active:
-            part = self.parts[name]
-            part.step()
-            self.stepped = part.stepped
+            self.parts[name].step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts.values():
@@ -124,7 +126,11 @@ class MultiOptimizer:
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("parts") if isinstance(state, dict) else None
         if not isinstance(saved, dict) or list(saved) != list(self.parts):
-            found = list(saved) if isinstance(saved, dict) else "no parts"
+            found = (
+                list(saved)
+                if isinstance(saved, dict)
+                else "none (not a MultiOptimizer's)"
+            )
             raise ValueError(
                 f"MultiOptimizer.load_state_dict: the state holds parts {found}, "
                 f"this optimizer has {list(self.parts)}. Fix: load the state of "
@@ -235,8 +241,8 @@ class MultiOptimizer:
         if isinstance(value, Mapping):
             check_part_names(value, list(self.parts), name, every=False)
             return [(self.parts[k], v) for k, v in value.items()]
-        if name != "wd":  # (wd=0 on a part without weight decay: nothing to do)
-            self._check_has(name.split()[0])
+        if name != "wd" or _nonzero(value):  # (wd=0 without weight decay: fine)
+            self._check_has(name)
         if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
             values = list(value)
             if len(values) != len(self.param_groups):
@@ -268,17 +274,22 @@ def spread_over_parts(
     ]
 
 
-def check_part_names(values: Mapping, parts: list[str], name: str, every: bool) -> None:
+def check_part_names(
+    values: Mapping, parts: list[str], name: str, every: bool, example: str = "1e-3"
+) -> None:
     """Refuses a dict by part whose keys name no part (or, ``every``, leave
-    one out), naming ``name``, the argument."""
+    one out), naming ``name``, the argument; ``example`` is a part's value
+    the fix shows."""
     unknown = [k for k in values if k not in parts]
     absent = [k for k in parts if k not in values] if every else []
     if unknown or absent:
         what = f"names no part {unknown}" if unknown else f"leaves out {absent}"
-        example = ", ".join(f"{k!r}: 1e-3" for k in parts)
+        shown = parts if every else parts[:1]
+        pairs = ", ".join(f"{k!r}: {example}" for k in shown)
+        which = "one value per part" if every else "keys that name parts"
         raise ValueError(
-            f"{name}: the dict {what}; the parts are {parts}. Fix: one value "
-            f"per part, e.g. {name}={{{example}}}."
+            f"{name}: the dict {what}; the parts are {parts}. Fix: {which}, "
+            f"e.g. {name}={{{pairs}}}."
         )
 
 
@@ -326,6 +337,11 @@ def _check_parts(parts: Any) -> dict[str, HPOptimizer]:
                     )
                 owner[id(p)] = name
     return out
+
+
+def _nonzero(value: Any) -> bool:
+    values = value if isinstance(value, Iterable) else [value]
+    return any(v != 0 for v in values)
 
 
 def _collapse_dict(values: dict[str, Any]) -> Any:

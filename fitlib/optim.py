@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from fitlib.errors import ArgTypeError, is_number
-from fitlib.sharding import torch_optimizers  # noqa: F401 (here for callbacks)
 
 HyperParam = float | Sequence[float]
 # A learning rate to train at: one number, one per parameter group, or a slice

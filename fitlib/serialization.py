@@ -223,7 +223,8 @@ def load_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
 
 def optimizer_identity(opt: Any) -> dict:
     """What a saved optimizer state must match to load into ``opt`` (an
-    ``HPOptimizer`` or a torch optimizer): its class and number of groups."""
+    ``HPOptimizer``, a torch optimizer, or a ``MultiOptimizer``: each part's
+    class): its class and number of groups."""
     parts = getattr(opt, "parts", None)  # a MultiOptimizer: each part's class
     if parts is not None:
         kinds = ", ".join(f"{n}={type(p.opt).__name__}" for n, p in parts.items())

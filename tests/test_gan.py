@@ -223,3 +223,30 @@ def test_a_gan_trainer_under_ddp_without_unused_parameters_is_refused():
     opt = MultiOptimizer(optimizers(model))
     with pytest.raises(ValueError, match="find_unused_parameters=True"):
         GANTrainer().on_train_begin(model=Wrapper(model), opt=opt)
+
+
+def test_the_records_lr_is_the_last_parts_in_every_turn():
+    learn = Learner(DataBunch(loader()), gan(), GANLoss("wgan"), opt_func=ADAM,
+                    progress=False, callbacks=[GANTrainer(n_critic=2)])  # fmt: skip
+    history = learn.fit(1, lr={"generator": 1e-4, "critic": 4e-4})
+    assert set(learn.recorder.lrs) == {4e-4}  # the critic's, also in its off turns
+    assert history[0]["lr"] == 4e-4
+
+
+def test_frozen_parameters_may_stay_out_of_a_gan_part_and_missing_ones_are_named():
+    model = gan()
+    model.generator[0].requires_grad_(False)
+    opts = {
+        "generator": torch.optim.Adam(model.generator[2].parameters()),
+        "critic": torch.optim.Adam(model.critic.parameters()),
+    }
+    fit(1, model, GANLoss("wgan"), opts, DataBunch(loader()), callbacks=[GANTrainer()])
+    assert not model.generator[0].weight.requires_grad  # still frozen after
+    partial_critic = {
+        "generator": torch.optim.Adam(model.generator[2].parameters()),
+        "critic": torch.optim.Adam(model.critic[0].parameters()),
+    }
+    with pytest.raises(
+        ValueError, match=r"leaves out gan.critic's trainable \['2.weight', '2.bias'\]"
+    ):
+        GANTrainer().on_train_begin(model=model, opt=MultiOptimizer(partial_critic))

@@ -431,3 +431,17 @@ def test_plot_lr_says_which_part_its_rates_are():
     one.fit(1, lr=0.1)
     assert one.recorder.plot_lr().get_ylabel() == "learning rate"
     plt.close("all")
+
+
+def test_weight_decay_on_a_part_without_it_names_the_part():
+    rprop = {"encoder": torch.optim.SGD, "decoder": torch.optim.Rprop}
+    learn = learner(opt_func=rprop, true_wd=False)  # (true_wd: the wrapper decays)
+    with pytest.raises(
+        ValueError, match=r"\{'decoder': 'Rprop'\} have no hyper-parameter 'wd'"
+    ):
+        learn.fit(1, lr=1e-3, wd=1e-2)
+
+
+def test_layer_groups_naming_no_part_shows_a_groups_example():
+    with pytest.raises(ValueError, match=r"layer_groups=\{'encoder': \[body, head\]\}"):
+        learner(layer_groups={"head": []})

@@ -230,3 +230,29 @@ def test_a_checkpoint_saves_the_optimizer_and_model_a_callback_swapped_in(tmp_pa
     saved = safe_load(ckpt.checkpoints()[-1])
     assert "betas" in saved["opt"]["opt"]["param_groups"][0]  # Adam's, not SGD's
     assert len(saved["opt"]["opt"]["state"]) == 2  # the steps Adam took
+
+
+@pytest.mark.filterwarnings("ignore:MixedPrecision.float16. on the CPU")
+def test_returning_the_optimizer_in_use_keeps_its_loss_scaler():
+    from fitlib.callbacks import MixedPrecision
+
+    m = model()
+    opt = HPOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    mp, seen = MixedPrecision(torch.float16), []
+
+    class Spy(Callback):
+        order = 5
+
+        def on_backward_end(self, opt):
+            seen.append(opt.grad_scaler is mp.scaler)
+
+    fit(2, m, F.cross_entropy, opt, DataBunch(loader()),
+        callbacks=[mp, Swap("opt", opt), Spy()])  # fmt: skip
+    assert all(seen) and len(seen) == 12
+
+
+def test_a_model_swapped_without_an_optimizer_for_it_is_refused():
+    m, other = model(), model(1)
+    with pytest.raises(ValueError, match="none of which is a trainable parameter"):
+        fit(2, m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1),
+            DataBunch(loader()), callbacks=[Swap("model", other)])  # fmt: skip

@@ -79,11 +79,14 @@ class GANTrainer(Callback):
         self._gan, self._turn = gan, None
         self._grad = {id(p): p.requires_grad for p in gan.parameters()}
 
-    def on_batch_begin(self, train: bool, step: int, opt: Any) -> None:
+    def on_batch_begin(self, train: bool, step: int, opt: Any, model: Any) -> None:
         """Runs before each batch: sets the turn, what steps, what learns."""
         if not train:
             return
-        turn = self.turn(step)  # (opt read each batch: a callback may swap it)
+        gan = getattr(model, "module", model)  # (a callback may swap them)
+        if gan is not self._gan:
+            self.on_train_begin(model, opt)
+        turn = self.turn(step)
         opt.active = (turn,)
         self._gan.mode = turn
         if turn != self._turn:
@@ -119,11 +122,18 @@ def _check_parts(gan: GANModule, opt: Any) -> None:
             "{'generator': torch.optim.Adam, 'critic': torch.optim.Adam})."
         )
     for name in ("generator", "critic"):
-        want = {id(p) for p in getattr(gan, name).parameters()}
+        module = getattr(gan, name)
+        want = {id(p) for p in module.parameters() if p.requires_grad}
         got = {id(p) for g in parts[name].param_groups for p in g["params"]}
-        if want != got:
+        names = {id(p): n for n, p in module.named_parameters()}
+        missing = [n for i, n in names.items() if i in want - got]  # (model order)
+        if missing or got - set(names):
+            what = (
+                f"leaves out gan.{name}'s trainable {missing[:3]}"
+                if missing
+                else f"holds parameters that are not gan.{name}'s"
+            )
             raise ValueError(
-                f"GANTrainer: the optimizer part {name!r} holds {len(got)} "
-                f"parameter(s), the GANModule's {name} has {len(want)} others. "
-                f"Fix: build part {name!r} over gan.{name}.parameters()."
+                f"GANTrainer: the optimizer part {name!r} {what}. Fix: build "
+                f"part {name!r} over gan.{name}.parameters()."
             )

@@ -28,8 +28,8 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import model_device
-from fitlib.optim import torch_optimizers, unscale_all
-from fitlib.sharding import is_sharded
+from fitlib.optim import unscale_all
+from fitlib.sharding import is_sharded, torch_optimizers
 
 _DTYPES = {
     torch.float16: torch.float16,

@@ -159,10 +159,16 @@ class ParamScheduler(Callback):
         if self.part is None:
             return opt
         if self.part not in getattr(opt, "parts", {}):
-            has = list(opt.parts) if hasattr(opt, "parts") else "no parts"
+            if not hasattr(opt, "parts"):
+                raise ValueError(
+                    f"{self.name}(part={self.part!r}): the fit has one optimizer, "
+                    "without parts. Fix: part=None (the default), or train one "
+                    "optimizer per part (Learner(..., opt_func={part: class}))."
+                )
             raise ValueError(
-                f"{self.name}(part={self.part!r}): the optimizer has {has}. Fix: "
-                "name one of its parts, or part=None to schedule all of it."
+                f"{self.name}(part={self.part!r}): the optimizer's parts are "
+                f"{list(opt.parts)}. Fix: name one of them, or part=None to "
+                "schedule every part."
             )
         return opt[self.part]
 

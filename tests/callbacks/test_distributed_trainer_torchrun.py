@@ -117,7 +117,9 @@ def test_one_optimizer_per_layer_trains_as_one_optimizer(trained, mode):
 
 
 @pytest.mark.parametrize(
-    ("prefix", "suffix"), [("", ""), ("fsdp_", ""), ("fsdp_", "_parts")]
+    # FSDP with parts: each part goes through the one-optimizer path too.
+    ("prefix", "suffix"),
+    [("", ""), ("fsdp_", "_parts")],
 )
 def test_a_checkpoint_written_by_two_ranks_resumes_exactly(tmp_path, prefix, suffix):
     ref = tmp_path / "ref"
