@@ -25,6 +25,7 @@ from fitlib.optim import (
     HPOptimizer,
     HyperParam,
     _collapse,
+    _is_number,
     check_lr,
     count_mismatch,
     lr_and_momentum,
@@ -243,7 +244,8 @@ class MultiOptimizer:
             return [(self.parts[k], v) for k, v in value.items()]
         if name != "wd" or _nonzero(value):  # (wd=0 without weight decay: fine)
             self._check_has(name)
-        if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        many = isinstance(value, Iterable) and not isinstance(value, (str, bytes))
+        if many and not _is_number(value):  # (not a 0-dim tensor either)
             values = list(value)
             if len(values) != len(self.param_groups):
                 raise ValueError(count_mismatch(name, values, len(self.param_groups)))
@@ -340,7 +342,7 @@ def _check_parts(parts: Any) -> dict[str, HPOptimizer]:
 
 
 def _nonzero(value: Any) -> bool:
-    values = value if isinstance(value, Iterable) else [value]
+    values = [value] if _is_number(value) else value
     return any(v != 0 for v in values)
 
 

@@ -119,6 +119,9 @@ def test_hyper_parameters_are_read_and_set_for_every_part_or_one():
     assert opt.lr == [1e-2, 0.05]
     opt["encoder"].lr = 3e-3
     assert opt.lr == [3e-3, 0.05]
+    opt.lr = torch.tensor(0.02)  # a 0-dim tensor is one number, as for HPOptimizer
+    assert opt.lr == pytest.approx(0.02)
+    opt.lr = [3e-3, 0.05]  # one value per group, over the parts in order
     opt.set("beta", {"encoder": 0.95})  # where the part has it
     assert opt["encoder"].beta == 0.95
     with pytest.raises(
