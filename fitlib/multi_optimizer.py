@@ -24,7 +24,7 @@ from fitlib.optim import (
     NAMES,
     HPOptimizer,
     HyperParam,
-    _collapse,
+    HyperParams,
     _is_number,
     check_lr,
     count_mismatch,
@@ -35,7 +35,7 @@ from fitlib.optim import (
 Parts = Mapping[str, Any]
 
 
-class MultiOptimizer:
+class MultiOptimizer(HyperParams):
     """Several optimizers, one per part of a model, behind one interface.
 
     Args:
@@ -189,38 +189,6 @@ class MultiOptimizer:
     def reset_scales(self) -> None:
         for part in self.parts.values():
             part.reset_scales()
-
-    @property
-    def lr(self) -> float | list[float]:
-        return _collapse(self.get("lr"))
-
-    @lr.setter
-    def lr(self, value: Any) -> None:
-        self.set("lr", value)
-
-    @property
-    def mom(self) -> float | list[float]:
-        return _collapse(self.get("mom"))
-
-    @mom.setter
-    def mom(self, value: Any) -> None:
-        self.set("mom", value)
-
-    @property
-    def beta(self) -> float | list[float]:
-        return _collapse(self.get("beta"))
-
-    @beta.setter
-    def beta(self, value: Any) -> None:
-        self.set("beta", value)
-
-    @property
-    def wd(self) -> float | list[float]:
-        return _collapse(self.get("wd"))
-
-    @wd.setter
-    def wd(self, value: Any) -> None:
-        self.set("wd", value)
 
     # -- internals -------------------------------------------------------------
     def _check_has(self, name: str) -> None:

@@ -45,7 +45,51 @@ NAMES = ("lr", "mom", "wd", "beta")
 _FIX = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
 
 
-class HPOptimizer:
+class HyperParams:
+    """``lr``, ``mom``, ``wd``, ``beta`` as properties over ``get`` and ``set``:
+    one value when every group shares it, else one per group. What
+    ``HPOptimizer`` and ``MultiOptimizer`` share."""
+
+    def get(self, name: str) -> list[float]:
+        raise NotImplementedError
+
+    def set(self, name: str, value: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float | list[float]:
+        return _collapse(self.get("lr"))
+
+    @lr.setter
+    def lr(self, value: HyperParam) -> None:
+        self.set("lr", value)
+
+    @property
+    def mom(self) -> float | list[float]:
+        return _collapse(self.get("mom"))
+
+    @mom.setter
+    def mom(self, value: HyperParam) -> None:
+        self.set("mom", value)
+
+    @property
+    def beta(self) -> float | list[float]:
+        return _collapse(self.get("beta"))
+
+    @beta.setter
+    def beta(self, value: HyperParam) -> None:
+        self.set("beta", value)
+
+    @property
+    def wd(self) -> float | list[float]:
+        return _collapse(self.get("wd"))
+
+    @wd.setter
+    def wd(self, value: HyperParam) -> None:
+        self.set("wd", value)
+
+
+class HPOptimizer(HyperParams):
     """Wraps a torch optimizer and exposes ``lr``, ``mom``, ``wd``, ``beta``.
 
     Each hyper-parameter reads as a float when all parameter groups share it,
@@ -269,38 +313,6 @@ class HPOptimizer:
         for group in self.param_groups:
             for name in NAMES:
                 group.pop(_scale_key(name), None)
-
-    @property
-    def lr(self) -> float | list[float]:
-        return _collapse(self.get("lr"))
-
-    @lr.setter
-    def lr(self, value: HyperParam) -> None:
-        self.set("lr", value)
-
-    @property
-    def mom(self) -> float | list[float]:
-        return _collapse(self.get("mom"))
-
-    @mom.setter
-    def mom(self, value: HyperParam) -> None:
-        self.set("mom", value)
-
-    @property
-    def beta(self) -> float | list[float]:
-        return _collapse(self.get("beta"))
-
-    @beta.setter
-    def beta(self, value: HyperParam) -> None:
-        self.set("beta", value)
-
-    @property
-    def wd(self) -> float | list[float]:
-        return _collapse(self.get("wd"))
-
-    @wd.setter
-    def wd(self, value: HyperParam) -> None:
-        self.set("wd", value)
 
     # -- internals -------------------------------------------------------------
     def _set_true_wd(self, values: list[float]) -> None:
