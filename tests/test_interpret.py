@@ -1,0 +1,223 @@
+"""ClassificationInterpretation: the numbers against counts made by hand, the
+grid against the dataset's items, on a TensorDataset and an ImageFolder."""
+
+import math
+from collections import Counter
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+from helpers import make_data, make_model
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader, TensorDataset
+
+from fitlib import ClassificationInterpretation, DataBunch, Learner
+from fitlib.interpret import show_image
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def scores_for(predicted, n_classes, confident=3.0):
+    """Logits whose argmax is ``predicted``."""
+    out = torch.zeros(len(predicted), n_classes)
+    out[torch.arange(len(predicted)), torch.tensor(predicted)] = confident
+    return out
+
+
+TRUE = [0, 0, 0, 1, 1, 2, 2, 2, 2, 0]
+PRED = [0, 1, 1, 1, 2, 2, 0, 2, 1, 0]
+
+
+def test_numbers_match_counts_made_by_hand():
+    interp = ClassificationInterpretation(
+        scores_for(PRED, 4), torch.tensor(TRUE), classes=["a", "b", "c", "d"]
+    )
+    counts = Counter(zip(TRUE, PRED, strict=True))
+    expected = [[counts[(i, j)] for j in range(4)] for i in range(4)]
+    assert interp.confusion_matrix().tolist() == expected
+    per_class = interp.per_class_accuracy()
+    assert per_class["a"] == 2 / 4 and per_class["b"] == 1 / 2
+    assert per_class["c"] == 2 / 4 and math.isnan(per_class["d"])  # no items
+    assert interp.accuracy == sum(t == p for t, p in zip(TRUE, PRED)) / len(TRUE)
+    # (a, b) twice; then once each, in class order.
+    assert interp.most_confused() == [
+        ("a", "b", 2), ("b", "c", 1), ("c", "a", 1), ("c", "b", 1)
+    ]  # fmt: skip
+    assert interp.most_confused(min_count=2) == [("a", "b", 2)]
+
+
+def test_losses_default_to_cross_entropy_and_top_losses_sort_them():
+    g = torch.Generator().manual_seed(0)
+    preds = torch.randn(20, 5, generator=g)
+    targets = torch.randint(0, 5, (20,), generator=g)
+    interp = ClassificationInterpretation(preds, targets)
+    expected = torch.stack(
+        [F.cross_entropy(preds[i], targets[i]) for i in range(20)]
+    )  # fmt: skip
+    assert torch.allclose(interp.losses, expected)
+    losses, idx = interp.top_losses(4)
+    assert idx.tolist() == sorted(range(20), key=lambda i: -expected[i])[:4]
+    assert torch.equal(losses, interp.losses[idx])
+    assert interp.classes == [0, 1, 2, 3, 4]
+    assert torch.allclose(interp.probs.sum(dim=1), torch.ones(20))
+    # Log-probabilities give the same losses and probabilities as logits.
+    logp = ClassificationInterpretation(preds.log_softmax(dim=1), targets)
+    assert torch.allclose(logp.losses, interp.losses, atol=1e-6)
+    assert torch.allclose(logp.probs, interp.probs, atol=1e-6)
+
+
+def digits_learner(shuffle_valid=False):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images[:600], dtype=torch.float32).unsqueeze(1) / 16
+    y = torch.tensor(digits.target[:600])
+    train, valid = TensorDataset(x[:450], y[:450]), TensorDataset(x[450:], y[450:])
+    g = torch.Generator().manual_seed(0)
+    data = DataBunch(
+        DataLoader(train, 32, shuffle=True, generator=g),
+        DataLoader(valid, 64, shuffle=shuffle_valid, generator=g),
+        device="cpu",
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    learn = Learner(data, model, F.cross_entropy, progress=False)
+    learn.fit(1, lr=0.05)
+    return learn, valid
+
+
+def test_from_learner_on_a_tensor_dataset_and_its_grid():
+    learn, valid = digits_learner()
+    interp = ClassificationInterpretation.from_learner(learn)
+    preds, targets = learn.get_preds()
+    cm = interp.confusion_matrix()
+    assert cm.sum() == len(valid) and torch.equal(interp.targets, targets)
+    assert cm.trace() / len(valid) == pytest.approx(learn.validate()["accuracy"])
+    # The Learner's loss of each item alone.
+    expected = F.cross_entropy(preds, targets, reduction="none")
+    assert torch.allclose(interp.losses, expected, atol=1e-6)
+
+    axes = interp.plot_top_losses(6, ncols=3)
+    assert axes.shape == (2, 3)
+    _, worst = interp.top_losses(6)
+    for ax, i in zip(axes.flat, worst.tolist(), strict=True):
+        # The image drawn is the dataset's item i, and the title names the
+        # prediction and the truth of item i.
+        np.testing.assert_array_equal(
+            ax.images[0].get_array(), valid[i][0][0].numpy()
+        )  # fmt: skip
+        pred, true = interp.predicted[i].item(), valid[i][1].item()
+        assert ax.get_title().startswith(f"{pred} / {true}\n")
+        assert f"loss {interp.losses[i]:.2f}" in ax.get_title()
+
+
+def test_image_folder_classes_and_items(tmp_path):
+    from PIL import Image
+    from torchvision import datasets, transforms
+
+    g = torch.Generator().manual_seed(0)
+    for name, level in (("cat", 40), ("dog", 200)):
+        (tmp_path / name).mkdir()
+        for k in range(6):
+            noise = torch.randint(0, 30, (6, 6, 3), generator=g)
+            pixels = (level + noise).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(tmp_path / name / f"{k}.png")
+    folder = datasets.ImageFolder(str(tmp_path), transform=transforms.ToTensor())
+    data = DataBunch(
+        DataLoader(folder, 4, shuffle=True, generator=g), DataLoader(folder, 5),
+        device="cpu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(108, 2))
+    learn = Learner(data, model, F.cross_entropy, progress=False)
+    learn.fit(1, lr=0.1)
+    interp = ClassificationInterpretation.from_learner(learn)
+    assert interp.classes == ["cat", "dog"]  # the folder names
+    assert interp.confusion_matrix().sum() == 12
+    axes = interp.plot_top_losses(4, ncols=2)
+    _, worst = interp.top_losses(4)
+    for ax, i in zip(axes.flat, worst.tolist(), strict=True):
+        drawn = ax.images[0].get_array()
+        np.testing.assert_allclose(drawn, folder[i][0].permute(1, 2, 0).numpy())
+        true = folder.classes[folder[i][1]]
+        assert ax.get_title().split("\n")[0].endswith(f"/ {true}")
+
+
+def test_confusion_matrix_plot_shows_the_numbers():
+    interp = ClassificationInterpretation(scores_for(PRED, 3), torch.tensor(TRUE))
+    ax = interp.plot_confusion_matrix()
+    shown = [[None] * 3 for _ in range(3)]
+    for text in ax.texts:
+        x, y = text.get_position()
+        shown[int(y)][int(x)] = int(text.get_text())
+    assert shown == interp.confusion_matrix().tolist()
+    assert ax.get_xlabel() == "predicted" and ax.get_ylabel() == "true"
+    ax = interp.plot_confusion_matrix(normalize=True)
+    rows = np.asarray(ax.images[0].get_array()).sum(axis=1)
+    np.testing.assert_allclose(rows, 1.0, rtol=1e-6)
+
+
+def test_shuffled_loader_has_no_grid_and_says_why():
+    learn, _ = digits_learner(shuffle_valid=True)
+    interp = ClassificationInterpretation.from_learner(learn)
+    assert interp.confusion_matrix().sum() == 150  # the numbers still work
+    with pytest.raises(ValueError, match=r"RandomSampler.*shuffle=True"):
+        interp.plot_top_losses()
+
+
+def test_a_custom_loss_gives_per_item_losses():
+    data = make_data()
+    learn = Learner(data, make_model(), F.cross_entropy, progress=False)
+    smoothing = nn.CrossEntropyLoss(label_smoothing=0.1)
+    interp = ClassificationInterpretation.from_learner(learn, loss_func=smoothing)
+    preds, targets = learn.get_preds()
+    expected = F.cross_entropy(preds, targets, reduction="none", label_smoothing=0.1)
+    assert torch.allclose(interp.losses, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("preds", "targets", "error", "match"),
+    [
+        ((torch.zeros(4, 3),), torch.zeros(4), TypeError, "several outputs"),
+        (torch.zeros(4, 1), torch.zeros(4).long(), ValueError, "zeros_like"),
+        (torch.zeros(4, 3, 5), torch.zeros(4).long(), ValueError, "sequence"),
+        (torch.zeros(4, 3), torch.zeros(4, 3), ValueError, "argmax"),
+        (torch.zeros(4, 3), torch.zeros(4), ValueError, r"targets.long\(\)"),
+        (torch.zeros(4, 3), torch.tensor([0, 1, -100, 2]), ValueError, "-100"),
+    ],
+)
+def test_bad_input_is_refused_with_the_fix(preds, targets, error, match):
+    with pytest.raises(error, match=match):
+        ClassificationInterpretation(preds, targets)
+
+
+def test_wrong_class_names_and_dataset_length_are_refused():
+    preds, targets = scores_for(PRED, 3), torch.tensor(TRUE)
+    with pytest.raises(ValueError, match=r"2 class names.*3 scores"):
+        ClassificationInterpretation(preds, targets, classes=["x", "y"])
+    short = TensorDataset(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="4 items but there are 10"):
+        ClassificationInterpretation(preds, targets, dataset=short)
+    no_inputs = ClassificationInterpretation(preds, targets)
+    with pytest.raises(ValueError, match="no dataset was given"):
+        no_inputs.plot_top_losses()
+
+
+def test_show_image_draws_every_layout_and_refuses_others():
+    ax = plt.figure().add_subplot()
+    chw = torch.rand(3, 4, 5)
+    show_image(chw, ax)
+    np.testing.assert_allclose(ax.images[-1].get_array(), chw.permute(1, 2, 0))
+    normalized = torch.tensor([[-2.0, 0.0], [1.0, 2.0]])  # rescaled to [0, 1]
+    show_image(normalized, ax)
+    np.testing.assert_allclose(ax.images[-1].get_array(), [[0, 0.5], [0.75, 1]])
+    with pytest.raises(ValueError, match=r"shape \(7,\).*show="):
+        show_image(torch.arange(7), ax)
+    with pytest.raises(ValueError, match=r"shape \(5, 6, 7\)"):
+        show_image(torch.rand(5, 6, 7), ax)
