@@ -370,13 +370,22 @@ def call_hook(cb: Callback, event: str, **state: Any) -> dict | None:
     Example:
         >>> call_hook(rec, "on_epoch_end", last_metrics=[torch.tensor(0.3)])
     """
-    extra = {"exception": None} if event == "on_train_end" else {}
-    unknown = state.keys() - _VALID_KEYS - extra.keys()
-    if event not in EVENTS or unknown:
+    if event not in EVENTS:
+        close = difflib.get_close_matches(str(event), EVENTS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"call_hook: {event!r} must be one of {', '.join(EVENTS)} and the "
-            f"state keys among {', '.join(STATE_KEYS)}; got unknown "
-            f"{sorted(unknown) or event!r}."
+            f"call_hook: unknown event {event!r}{hint}. Fix: one of "
+            f"{', '.join(EVENTS)}."
+        )
+    extra = {"exception": None} if event == "on_train_end" else {}
+    unknown = sorted(state.keys() - _VALID_KEYS - extra.keys())
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], STATE_KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"call_hook: unknown state key {unknown[0]!r}{hint}; got "
+            f"{', '.join(map(repr, unknown))}. Fix: pass state keys among "
+            f"{', '.join(STATE_KEYS)}."
         )
     return _caller(cb, event)(CallbackHandler().state | extra | state)
 

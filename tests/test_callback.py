@@ -653,9 +653,11 @@ def test_call_hook_drives_a_hook_as_the_handler_does():
 
     assert call_hook(Stop(), "on_epoch_end", epoch=2) == {"stop_training": True}
     assert call_hook(Stop(), "on_epoch_end") == {"stop_training": False}
-    with pytest.raises(ValueError, match="lastmetrics"):
+    key = r"unknown state key 'lastmetrics' \(did you mean 'last_metrics'\?\)"
+    with pytest.raises(ValueError, match=key):
         call_hook(Stop(), "on_epoch_end", lastmetrics=None)
-    with pytest.raises(ValueError, match="on_epochend"):
+    event = r"unknown event 'on_epochend' \(did you mean 'on_epoch_end'\?\)"
+    with pytest.raises(ValueError, match=event):
         call_hook(Stop(), "on_epochend")
 
 
