@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test lint notebooks bench gpu-check clean
 
 $(VENV)/.base: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,11 +21,18 @@ demo: $(VENV)/.base
 test: $(VENV)/.dev
 	$(PY) -m ruff check fitlib tests benchmarks examples notebooks
 	$(PY) -m ruff format --check fitlib tests benchmarks examples notebooks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check --fix fitlib tests benchmarks examples notebooks
 	$(PY) -m ruff format fitlib tests benchmarks examples notebooks
+
+# Runs every notebook and stores it with its outputs (the plots GitHub shows);
+# tests/test_notebooks.py fails when a notebook's code changed since.
+notebooks: $(VENV)/.dev
+	$(PY) -m ruff format notebooks
+	$(PY) -m pytest -q -p no:cacheprovider -n auto tests/test_notebooks.py \
+		-k test_notebook_runs --store-outputs
 
 bench: $(VENV)/.base
 	$(PY) benchmarks/overhead.py --amp

@@ -1,5 +1,6 @@
 """Fixtures for the test suite; the builders live in helpers.py."""
 
+import os
 import socket
 import time
 
@@ -10,6 +11,23 @@ import torch.distributed as dist
 from helpers import make_data, make_model
 
 matplotlib.use("Agg")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite on two worker processes (pytest-xdist), one
+    # per core of the CI machine: torch on one thread in each (and in every
+    # process a test starts: notebook kernels, torchrun), as two processes of
+    # two threads each would spin and wait on each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--store-outputs",
+        action="store_true",
+        help="tests/test_notebooks.py writes each executed notebook back, with "
+        "its outputs (`make notebooks`)",
+    )
 
 
 @pytest.fixture(scope="module")
