@@ -783,13 +783,17 @@ class Learner:
     ) -> Any:
         """Trains on every process of a ``torchrun`` launch (see
         ``DistributedTrainer`` for the arguments); does nothing in a plain
-        ``python`` run.
+        ``python`` run. ``backend=None`` is gloo when the data's device is the
+        CPU, even where a GPU is visible, else NCCL where CUDA is.
 
         Example:
             >>> learn = Learner(data, model).to_distributed()  # torchrun ... train.py
             >>> learn.to_distributed(strategy="fsdp", fsdp_units=(Block,))
         """
         self.callbacks = [cb for cb in self.callbacks if not _is_dist(cb)]
+        device = getattr(self.data, "device", None)
+        if backend is None and device is not None and device.type == "cpu":
+            backend = "gloo"  # not NCCL, even where a GPU is visible
         trainer = DistributedTrainer(
             backend,
             find_unused_parameters,

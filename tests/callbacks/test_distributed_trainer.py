@@ -22,6 +22,18 @@ def test_without_torchrun_it_does_nothing(monkeypatch, tmp_path):
     assert learn.recorder.epochs == [0] and type(learn.model).__name__ == "Sequential"
 
 
+def test_a_learner_on_the_cpu_picks_gloo_where_cuda_is_visible(monkeypatch, tmp_path):
+    # With one GPU on the host, NCCL would put rank 1 on cuda:1 and fail; a
+    # Learner whose DataBunch says "cpu" trains on the CPU, so gloo.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False,
+                    path=tmp_path).to_distributed()  # fmt: skip
+    assert learn.callbacks[-1].backend == "gloo"
+    assert learn.to_distributed(backend="nccl").callbacks[-1].backend == "nccl"
+
+
 def test_under_a_launcher_it_trains_and_gives_the_plain_model_back(one_process_group):
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
     learn.to_distributed(backend="gloo")
