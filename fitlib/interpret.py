@@ -18,6 +18,7 @@ image) as it comes out of the dataset, with no decoding pipeline to know.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,17 +73,7 @@ class ClassificationInterpretation:
                 "were made on, or dataset=None (no grid of inputs)."
             )
         self.dataset = dataset
-        if classes is None:
-            classes = getattr(dataset, "classes", None)
-            classes = list(range(n_classes)) if classes is None else classes
-        if len(classes) != n_classes:
-            raise ValueError(
-                f"ClassificationInterpretation: {len(classes)} class names "
-                f"({list(classes)[:12]}) for {n_classes} scores per item. Fix: "
-                f"pass classes= with {n_classes} names, in the order of the "
-                "model's outputs."
-            )
-        self.classes = list(classes)
+        self.classes = _check_classes(classes, dataset, n_classes)
 
     @classmethod
     def from_learner(
@@ -139,7 +130,7 @@ class ClassificationInterpretation:
     def per_class_accuracy(self) -> dict:
         """``{class: share of its items predicted right}`` (its recall); nan
         for a class with no items."""
-        cm = self.confusion_matrix()
+        cm = self.confusion_matrix().double()  # shares as Python floats
         totals = cm.sum(dim=1)
         right = cm.diagonal()
         return {
@@ -150,6 +141,12 @@ class ClassificationInterpretation:
     def most_confused(self, min_count: int = 1) -> list[tuple]:
         """``(true, predicted, count)`` of every mistake made at least
         ``min_count`` times, the most frequent first."""
+        if isinstance(min_count, bool) or not isinstance(min_count, numbers.Integral):
+            raise TypeError(
+                f"most_confused: min_count must be an int; got {min_count!r}. "
+                "Fix: e.g. min_count=2."
+            )
+        min_count = max(int(min_count), 1)  # a mistake made 0 times is none
         cm = self.confusion_matrix()
         found = [
             (self.classes[i], self.classes[j], int(cm[i, j]))
@@ -177,7 +174,8 @@ class ClassificationInterpretation:
         cm = self.confusion_matrix().float()
         if normalize:
             cm = cm / cm.sum(dim=1, keepdim=True).clamp(min=1)
-        if ax is None:
+        new = ax is None
+        if new:
             size = 2.5 + 0.45 * len(self.classes)
             ax = plt.figure(figsize=(size, size)).add_subplot()
         ax.imshow(cm.numpy(), cmap=cmap, vmin=0)
@@ -185,7 +183,8 @@ class ClassificationInterpretation:
         names = [str(c) for c in self.classes]
         ax.set_xticks(ticks, names, rotation=90 if max(map(len, names)) > 3 else 0)
         ax.set_yticks(ticks, names)
-        ax.set(xlabel="predicted", ylabel="true", title="confusion matrix")
+        title = "confusion matrix" + (" (shares of each row)" if normalize else "")
+        ax.set(xlabel="predicted", ylabel="true", title=title)
         high = cm.max().item()
         for i in ticks:
             for j in ticks:
@@ -193,6 +192,8 @@ class ClassificationInterpretation:
                 text = f"{value:.2f}" if normalize else f"{value:.0f}"
                 color = "white" if value > high / 2 else "black"
                 ax.text(j, i, text, ha="center", va="center", color=color, size=8)
+        if new:
+            ax.figure.tight_layout()  # room for long class names
         return ax
 
     def plot_top_losses(
@@ -200,8 +201,9 @@ class ClassificationInterpretation:
     ) -> Any:
         """The ``k`` items with the largest losses, each titled with its
         prediction, its true class, its loss and the probability of the
-        prediction. ``show(x, ax)`` draws one input; the default draws an
-        image (see ``show_image``). Returns the array of Axes."""
+        prediction (red: a mistake). ``show(x, ax)`` draws one input; the
+        default draws an image (see ``show_image``). Returns the array of
+        Axes."""
         self._require_dataset("plot_top_losses")
         _, indices = self.top_losses(k)
         return self.plot_items(indices.tolist(), ncols=ncols, show=show)
@@ -232,7 +234,9 @@ class ClassificationInterpretation:
                 size=9,
                 color="black" if p == self.targets[i] else "firebrick",
             )
-        fig.suptitle("predicted / true", size=10)
+        fig.suptitle(
+            "predicted / true; loss, p = the probability of the prediction", size=9
+        )
         fig.tight_layout()
         return axes
 
@@ -243,7 +247,7 @@ class ClassificationInterpretation:
                 f"{where}: there are no inputs to show: {reason}. Fix: "
                 "interpret a loader that goes through its dataset in order, "
                 "e.g. from_learner(learn, dl=DataLoader(valid_ds, 64)), or "
-                "pass dataset= to ClassificationInterpretation."
+                "pass dataset= with the items in the order of the predictions."
             )
 
 
@@ -286,23 +290,60 @@ def show_image(x: Any, ax: Any) -> None:
     ax.axis("off")
 
 
+def _check_classes(classes: Any, dataset: Any, n_classes: int) -> list:
+    """The class names: ``classes``, or the dataset's (through ``Subset``s),
+    or ``0 .. C-1``; checked."""
+    where = "ClassificationInterpretation: classes"
+    if classes is None:
+        inner = dataset
+        while inner is not None and getattr(inner, "classes", None) is None:
+            inner = getattr(inner, "dataset", None)  # a Subset's dataset
+        classes = getattr(inner, "classes", None) or list(range(n_classes))
+    if isinstance(classes, dict):
+        raise TypeError(
+            f"{where} must be a list of names in the order of the model's "
+            f"outputs; got a dict {_describe(classes)}. Fix: for an "
+            "ImageFolder's class_to_idx {name: index}, classes=sorted(d, "
+            "key=d.get); for {index: name}, classes=[d[i] for i in "
+            f"range({n_classes})]."
+        )
+    if isinstance(classes, str | bytes) or not isinstance(classes, Sequence):
+        raise TypeError(
+            f"{where} must be a list of {n_classes} names; got "
+            f"{_describe(classes)}. Fix: e.g. classes=['cat', 'dog', ...], in "
+            "the order of the model's outputs."
+        )
+    if len(classes) != n_classes:
+        raise ValueError(
+            f"{where}: {len(classes)} names ({list(classes)[:12]}) for "
+            f"{n_classes} scores per item. Fix: pass {n_classes} names, in the "
+            "order of the model's outputs."
+        )
+    return list(classes)
+
+
 def _check_preds_targets(
     preds: Any, targets: Any, where: str = "__init__"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     name = f"ClassificationInterpretation.{where}"
     if not isinstance(preds, torch.Tensor):
+        pick_y = "targets[0]" if isinstance(targets, tuple | list) else "targets"
         raise TypeError(
             f"{name}: preds must be a tensor of scores (N, C); got "
             f"{_describe(preds)}. Fix: for a model with several outputs, "
-            "interpret the classification one: "
-            "ClassificationInterpretation(preds[0], targets[0])."
+            "interpret the classification one, with the dataset for the grid: "
+            f"ClassificationInterpretation(preds[0], {pick_y}, "
+            "dataset=learn.data.valid_dl.dataset)."
         )
     if preds.ndim == 1 or (preds.ndim == 2 and preds.shape[1] == 1):
         raise ValueError(
-            f"{name}: preds has one score per item (shape {tuple(preds.shape)}), "
-            "a binary classifier's logit. Fix: give both classes' scores, "
-            "preds = torch.cat([torch.zeros_like(s), s], dim=1) with s the "
-            "(N, 1) logits (softmax of that is (1 - sigmoid(s), sigmoid(s)))."
+            f"{name}: preds has one score per item (shape {tuple(preds.shape)}): "
+            "a binary classifier's logit (or a regression model, which this "
+            "does not interpret). Fix: give both classes' scores and class "
+            "indices: s = preds.view(-1, 1); ClassificationInterpretation("
+            "torch.cat([torch.zeros_like(s), s], dim=1), targets.view(-1)."
+            "long(), dataset=learn.data.valid_dl.dataset) (the softmax of "
+            "(0, s) is (1 - sigmoid(s), sigmoid(s)))."
         )
     if preds.ndim != 2 or not preds.is_floating_point():
         raise ValueError(
@@ -311,16 +352,29 @@ def _check_preds_targets(
             "flatten to tokens first (preds.transpose(1, 2).reshape(-1, C) "
             "and targets.reshape(-1), dropping padded positions)."
         )
+    n = len(preds)
     if not (isinstance(targets, torch.Tensor) and targets.shape == preds.shape[:1]):
+        if isinstance(targets, torch.Tensor) and targets.shape == (n, 1):
+            fix = "targets.view(-1).long()"
+        elif isinstance(targets, torch.Tensor) and targets.shape == preds.shape:
+            fix = "for one-hot rows or class probabilities, targets.argmax(dim=1)"
+        else:
+            fix = "the class index of each item"
         raise ValueError(
-            f"{name}: targets must be a tensor of shape ({len(preds)},), one "
-            f"class per item; got {_describe(targets)}. Fix: pass the class "
-            "indices (not one-hot rows: targets.argmax(dim=1))."
+            f"{name}: targets must be a tensor of shape ({n},), one class "
+            f"index per item; got {_describe(targets)}. Fix: {fix}."
         )
     if targets.is_floating_point() or targets.dtype == torch.bool:
+        whole = targets.is_floating_point() and bool((targets == targets.round()).all())
         raise ValueError(
             f"{name}: targets must be integer class indices; got dtype "
-            f"{targets.dtype}. Fix: targets.long()."
+            f"{targets.dtype}"
+            + (
+                ". Fix: targets.long()."
+                if whole or targets.dtype == torch.bool
+                else " with fractions (a regression's targets? this interprets "
+                "classifiers only). Fix: class indices as integers."
+            )
         )
     bad = (targets < 0) | (targets >= preds.shape[1])
     if bad.any():
@@ -356,12 +410,19 @@ def _per_item_losses(
 def _ordered_dataset(loader: Any, n: int) -> tuple[Any, str | None]:
     """``loader.dataset`` when the loader yields its items in order, with the
     reason for None otherwise."""
-    from torch.utils.data import SequentialSampler
+    from torch.utils.data import BatchSampler, SequentialSampler
 
     dataset = getattr(loader, "dataset", None)
     if dataset is None:
         return None, f"the loader ({type(loader).__name__}) has no dataset"
-    sampler = getattr(loader, "sampler", None)
+    # The batches' indices come from batch_sampler (a BatchSampler around
+    # sampler, unless one was given) or, with batch_size=None, from sampler.
+    batches = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batches, "sampler", None) if batches is not None else None
+    if batches is not None and not isinstance(batches, BatchSampler):
+        sampler = batches
+    elif batches is None:
+        sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, SequentialSampler):
         return None, (
             f"the loader draws items with {type(sampler).__name__}, not in "
@@ -376,11 +437,12 @@ def _ordered_dataset(loader: Any, n: int) -> tuple[Any, str | None]:
 
 
 def _check_k(k: Any, n: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
         raise ValueError(
-            f"k must be a whole number >= 0; got {k!r}. Fix: e.g. k=9 ({n} items)."
+            f"top_losses: k must be an int >= 0 (how many items); got {k!r}. "
+            f"Fix: e.g. k=9 (there are {n} items)."
         )
-    return k
+    return int(k)
 
 
 def _scalar(v: Any) -> bool:
@@ -397,4 +459,8 @@ def _len(dataset: Any) -> int | None:
 def _describe(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    if isinstance(v, tuple | list) and all(isinstance(t, torch.Tensor) for t in v):
+        return f"a {type(v).__name__} of {len(v)} tensors " + ", ".join(
+            _describe(t) for t in v
+        ).replace("a ", "")
     return f"{type(v).__name__} {v!r}"[:120]

@@ -184,11 +184,13 @@ def test_a_custom_loss_gives_per_item_losses():
 @pytest.mark.parametrize(
     ("preds", "targets", "error", "match"),
     [
-        ((torch.zeros(4, 3),), torch.zeros(4), TypeError, "several outputs"),
+        ((torch.zeros(4, 3),), torch.zeros(4), TypeError, r"\(preds\[0\], targets,"),
         (torch.zeros(4, 1), torch.zeros(4).long(), ValueError, "zeros_like"),
         (torch.zeros(4, 3, 5), torch.zeros(4).long(), ValueError, "sequence"),
         (torch.zeros(4, 3), torch.zeros(4, 3), ValueError, "argmax"),
+        (torch.zeros(4, 3), torch.zeros(4, 1), ValueError, r"targets.view\(-1\)"),
         (torch.zeros(4, 3), torch.zeros(4), ValueError, r"targets.long\(\)"),
+        (torch.zeros(4, 3), torch.rand(4) + 0.1, ValueError, "regression"),
         (torch.zeros(4, 3), torch.tensor([0, 1, -100, 2]), ValueError, "-100"),
     ],
 )
@@ -199,8 +201,13 @@ def test_bad_input_is_refused_with_the_fix(preds, targets, error, match):
 
 def test_wrong_class_names_and_dataset_length_are_refused():
     preds, targets = scores_for(PRED, 3), torch.tensor(TRUE)
-    with pytest.raises(ValueError, match=r"2 class names.*3 scores"):
+    with pytest.raises(ValueError, match=r"classes: 2 names.*3 scores"):
         ClassificationInterpretation(preds, targets, classes=["x", "y"])
+    # A class_to_idx dict is not taken as a list of its keys.
+    with pytest.raises(TypeError, match=r"classes=sorted\(d, key=d.get\)"):
+        ClassificationInterpretation(preds, targets, classes={"b": 1, "a": 0, "c": 2})
+    with pytest.raises(TypeError, match="classes must be a list of 3 names"):
+        ClassificationInterpretation(preds, targets, classes=3)
     short = TensorDataset(torch.zeros(4, 2))
     with pytest.raises(ValueError, match="4 items but there are 10"):
         ClassificationInterpretation(preds, targets, dataset=short)
@@ -221,3 +228,53 @@ def test_show_image_draws_every_layout_and_refuses_others():
         show_image(torch.arange(7), ax)
     with pytest.raises(ValueError, match=r"shape \(5, 6, 7\)"):
         show_image(torch.rand(5, 6, 7), ax)
+
+
+def test_the_single_logit_fix_in_the_message_works():
+    s = torch.tensor([[2.0], [-1.0], [0.5]])
+    targets = torch.tensor([[1.0], [0.0], [0.0]])  # as BCEWithLogitsLoss takes them
+    with pytest.raises(ValueError, match="one score per item") as info:
+        ClassificationInterpretation(s, targets)
+    assert "torch.cat([torch.zeros_like(s), s], dim=1)" in str(info.value)
+    s = s.view(-1, 1)
+    both = torch.cat([torch.zeros_like(s), s], dim=1)
+    interp = ClassificationInterpretation(both, targets.view(-1).long())
+    assert interp.predicted.tolist() == [1, 0, 1]
+    assert torch.allclose(interp.probs[:, 1], torch.sigmoid(s.view(-1)))
+
+
+def test_a_loader_with_a_random_batch_sampler_has_no_grid():
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    learn, valid = digits_learner()
+    shuffled = DataLoader(
+        valid, batch_sampler=BatchSampler(RandomSampler(valid), 32, False)
+    )  # fmt: skip
+    interp = ClassificationInterpretation.from_learner(learn, dl=shuffled)
+    assert interp.confusion_matrix().sum() == len(valid)
+    with pytest.raises(ValueError, match="RandomSampler"):
+        interp.plot_top_losses()
+    # Unshuffled batches of a BatchSampler keep the grid.
+    from torch.utils.data import SequentialSampler
+
+    ordered = DataLoader(
+        valid, batch_sampler=BatchSampler(SequentialSampler(valid), 32, False)
+    )  # fmt: skip
+    assert ClassificationInterpretation.from_learner(learn, dl=ordered).dataset
+
+
+def test_class_names_through_a_subset_and_the_small_options():
+    from torch.utils.data import Subset
+
+    class Named(TensorDataset):
+        classes = ("x", "y", "z")
+
+    named = Named(torch.zeros(10, 2), torch.tensor(TRUE))
+    interp = ClassificationInterpretation(
+        scores_for(PRED, 3), torch.tensor(TRUE), dataset=Subset(named, range(10))
+    )  # fmt: skip
+    assert interp.classes == ["x", "y", "z"]  # found through the Subset
+    assert all(count >= 1 for *_, count in interp.most_confused(min_count=0))
+    assert torch.equal(interp.top_losses(np.int64(2))[1], interp.top_losses(2)[1])
+    ax = interp.plot_confusion_matrix(normalize=True)
+    assert ax.get_title() == "confusion matrix (shares of each row)"
