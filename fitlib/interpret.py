@@ -18,11 +18,13 @@ image) as it comes out of the dataset, with no decoding pipeline to know.
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib.plots import _pyplot
@@ -66,6 +68,13 @@ class ClassificationInterpretation:
         self.losses = losses.detach().float().cpu()
         self._no_grid = None
         if dataset is not None and _len(dataset) != n:
+            if _len(dataset) is None:
+                raise ValueError(
+                    "ClassificationInterpretation: the dataset has no length "
+                    "(an IterableDataset?), so its items can't be matched to "
+                    "the predictions. Fix: dataset=None (no grid), or a "
+                    "map-style dataset of the same items in order."
+                )
             raise ValueError(
                 f"ClassificationInterpretation: the dataset has {_len(dataset)} "
                 f"items but there are {n} predictions; they must be the same "
@@ -259,6 +268,12 @@ def show_image(x: Any, ax: Any) -> None:
         ax.imshow(x, cmap="gray" if x.mode in ("L", "1") else None)
         ax.axis("off")
         return
+    if isinstance(x, dict):
+        raise ValueError(
+            f"show_image: the dataset's items are dicts (keys {list(x)}); "
+            "which one is the image? Fix: show=lambda x, ax: "
+            f"show_image(x[{next(iter(x), 'image')!r}], ax)."
+        )
     try:
         t = torch.as_tensor(x).detach().cpu()
     except (TypeError, ValueError, RuntimeError):
@@ -271,7 +286,11 @@ def show_image(x: Any, ax: Any) -> None:
             "show=lambda x, ax: ax.text(0, 0.5, decode(x), wrap=True)."
         )
     shape = tuple(t.shape)
-    if t.ndim == 3 and t.shape[0] in (1, 3, 4) and t.shape[-1] not in (1, 3, 4):
+    # torch's images are (C, H, W); numpy's and PIL's arrays (H, W, C).
+    channels_first = t.shape[0] in (1, 3, 4) if t.ndim == 3 else False
+    if not isinstance(x, torch.Tensor) and t.ndim == 3:
+        channels_first = t.shape[-1] not in (1, 3, 4) and t.shape[0] in (1, 3, 4)
+    if channels_first:
         t = t.permute(1, 2, 0)  # CHW -> HWC
     if t.ndim == 3 and t.shape[-1] == 1:
         t = t[..., 0]
@@ -348,9 +367,11 @@ def _check_preds_targets(
     if preds.ndim != 2 or not preds.is_floating_point():
         raise ValueError(
             f"{name}: preds must be float scores of shape (N, C), one row per "
-            f"item; got {_describe(preds)}. Fix: for a sequence model, "
-            "flatten to tokens first (preds.transpose(1, 2).reshape(-1, C) "
-            "and targets.reshape(-1), dropping padded positions)."
+            f"item; got {_describe(preds)}. Fix: for a sequence model's "
+            "(B, T, C) scores, interpret the tokens: keep = targets.reshape(-1) "
+            "!= -100; ClassificationInterpretation(preds.reshape(-1, C)[keep], "
+            "targets.reshape(-1)[keep]) (transpose (B, C, T) scores to (B, T, C) "
+            "first)."
         )
     n = len(preds)
     if not (isinstance(targets, torch.Tensor) and targets.shape == preds.shape[:1]):
@@ -388,23 +409,45 @@ def _check_preds_targets(
 
 
 def _per_item_losses(
-    loss_func: Callable, preds: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """Each item's loss: ``loss_func`` on a batch of one (a mean-reduced loss
-    of one item is that item's loss), whatever arguments it takes."""
+    loss_func: Callable | None, preds: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor | None:
+    """Each item's loss, in float32 on the CPU: a loss module with a
+    ``reduction`` (``nn.CrossEntropyLoss``, class weights included) is called
+    once with ``reduction="none"``; any other loss on a batch of one item (a
+    mean-reduced loss of one item is that item's loss). A dict loss gives its
+    ``"loss"``."""
+    where = "ClassificationInterpretation.from_learner"
+    if loss_func is None:
+        raise ValueError(
+            f"{where}: the Learner has no loss_func (the model computes its "
+            "own loss), so there is no loss per item. Fix: pass one, e.g. "
+            "loss_func=torch.nn.functional.cross_entropy."
+        )
+    preds = preds.float()
     with torch.no_grad():
+        if isinstance(loss_func, nn.Module) and hasattr(loss_func, "reduction"):
+            per_item = copy.deepcopy(loss_func).cpu()
+            per_item.reduction = "none"
+            losses = _loss_value(per_item(preds, targets))
+            if isinstance(losses, torch.Tensor) and losses.shape == targets.shape:
+                return losses.float()
         losses = [
-            loss_func(preds[i : i + 1], targets[i : i + 1]) for i in range(len(preds))
+            _loss_value(loss_func(preds[i : i + 1], targets[i : i + 1]))
+            for i in range(len(preds))
         ]
     bad = next((v for v in losses if not _scalar(v)), None)
     if bad is not None:
         raise ValueError(
-            f"ClassificationInterpretation.from_learner: loss_func returned "
-            f"{_describe(bad)} for one item; a per-item loss needs a single "
-            "number. Fix: pass loss_func=torch.nn.functional.cross_entropy "
-            "(or a loss that returns one number for a batch)."
+            f"{where}: loss_func returned {_describe(bad)} for one item; a "
+            "per-item loss needs a single number. Fix: pass "
+            "loss_func=torch.nn.functional.cross_entropy (or a loss that "
+            "returns one number for a batch)."
         )
     return torch.stack([v.float().reshape(()) for v in losses]) if losses else None
+
+
+def _loss_value(v: Any) -> Any:
+    return v["loss"] if isinstance(v, dict) and "loss" in v else v
 
 
 def _ordered_dataset(loader: Any, n: int) -> tuple[Any, str | None]:
@@ -417,13 +460,13 @@ def _ordered_dataset(loader: Any, n: int) -> tuple[Any, str | None]:
         return None, f"the loader ({type(loader).__name__}) has no dataset"
     # The batches' indices come from batch_sampler (a BatchSampler around
     # sampler, unless one was given) or, with batch_size=None, from sampler.
+    if _len(dataset) is None:
+        return None, "the loader's dataset has no length (an IterableDataset)"
     batches = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batches, "sampler", None) if batches is not None else None
-    if batches is not None and not isinstance(batches, BatchSampler):
-        sampler = batches
-    elif batches is None:
-        sampler = getattr(loader, "sampler", None)
-    if not isinstance(sampler, SequentialSampler):
+    sampler = getattr(loader, "sampler", None)
+    if batches is not None:  # exactly torch's BatchSampler: a subclass may reorder
+        sampler = batches.sampler if type(batches) is BatchSampler else batches
+    if type(sampler) is not SequentialSampler:
         return None, (
             f"the loader draws items with {type(sampler).__name__}, not in "
             "order (shuffle=True?), so predictions can't be matched to items"

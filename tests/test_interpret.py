@@ -186,7 +186,7 @@ def test_a_custom_loss_gives_per_item_losses():
     [
         ((torch.zeros(4, 3),), torch.zeros(4), TypeError, r"\(preds\[0\], targets,"),
         (torch.zeros(4, 1), torch.zeros(4).long(), ValueError, "zeros_like"),
-        (torch.zeros(4, 3, 5), torch.zeros(4).long(), ValueError, "sequence"),
+        (torch.zeros(4, 3, 5), torch.zeros(4).long(), ValueError, r"-1, C\)\[keep\]"),
         (torch.zeros(4, 3), torch.zeros(4, 3), ValueError, "argmax"),
         (torch.zeros(4, 3), torch.zeros(4, 1), ValueError, r"targets.view\(-1\)"),
         (torch.zeros(4, 3), torch.zeros(4), ValueError, r"targets.long\(\)"),
@@ -278,3 +278,55 @@ def test_class_names_through_a_subset_and_the_small_options():
     assert torch.equal(interp.top_losses(np.int64(2))[1], interp.top_losses(2)[1])
     ax = interp.plot_confusion_matrix(normalize=True)
     assert ax.get_title() == "confusion matrix (shares of each row)"
+
+
+def test_weighted_dict_and_missing_losses():
+    learn, _ = digits_learner()
+    preds, targets = learn.get_preds()
+    weight = torch.linspace(1, 10, 10)
+    weighted = nn.CrossEntropyLoss(weight=weight)
+    interp = ClassificationInterpretation.from_learner(learn, loss_func=weighted)
+    # Each item's loss with its class weight, as training weighed it.
+    expected = F.cross_entropy(preds, targets, weight=weight, reduction="none")
+    assert torch.allclose(interp.losses, expected, atol=1e-5)
+    assert weighted.reduction == "mean"  # the Learner's loss is left as it was
+
+    def with_parts(out, y):
+        ce = F.cross_entropy(out, y)
+        return {"loss": 2 * ce, "ce": ce}
+
+    parts = ClassificationInterpretation.from_learner(learn, loss_func=with_parts)
+    assert torch.allclose(
+        parts.losses, 2 * F.cross_entropy(preds, targets, reduction="none")
+    )
+    learn.loss_func = None
+    with pytest.raises(ValueError, match=r"no loss_func.*loss_func=torch"):
+        ClassificationInterpretation.from_learner(learn)
+
+
+def test_a_batch_sampler_subclass_that_reorders_has_no_grid():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    class Reversed(BatchSampler):  # e.g. bucketing by length
+        def __iter__(self):
+            return reversed(list(super().__iter__()))
+
+    learn, valid = digits_learner()
+    batches = Reversed(SequentialSampler(valid), 32, False)
+    interp = ClassificationInterpretation.from_learner(
+        learn, dl=DataLoader(valid, batch_sampler=batches)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="Reversed"):
+        interp.plot_top_losses()
+
+
+def test_show_image_reads_torch_tensors_channels_first_and_refuses_dicts():
+    ax = plt.figure().add_subplot()
+    chw = torch.rand(3, 6, 4)  # (C, H, W) even though 4 could be channels
+    show_image(chw, ax)
+    np.testing.assert_allclose(ax.images[-1].get_array(), chw.permute(1, 2, 0))
+    hwc = np.random.default_rng(0).random((3, 6, 4))  # numpy: (H, W, C)
+    show_image(hwc, ax)
+    assert ax.images[-1].get_array().shape == (3, 6, 4)
+    with pytest.raises(ValueError, match=r"show_image\(x\['image'\], ax\)"):
+        show_image({"image": chw, "label": 1}, ax)
