@@ -382,10 +382,12 @@ def call_hook(cb: Callback, event: str, **state: Any) -> dict | None:
     if unknown:
         close = difflib.get_close_matches(unknown[0], STATE_KEYS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if unknown == ["exception"]:
+            hint = " (only on_train_end gets exception)"
+        more = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
         raise ValueError(
-            f"call_hook: unknown state key {unknown[0]!r}{hint}; got "
-            f"{', '.join(map(repr, unknown))}. Fix: pass state keys among "
-            f"{', '.join(STATE_KEYS)}."
+            f"call_hook: unknown state key {unknown[0]!r}{hint}{more}. Fix: "
+            f"pass state keys among {', '.join(STATE_KEYS)}."
         )
     return _caller(cb, event)(CallbackHandler().state | extra | state)
 

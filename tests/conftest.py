@@ -13,10 +13,10 @@ from helpers import make_data, make_model
 matplotlib.use("Agg")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs the suite on two worker processes (pytest-xdist), one
-    # per core of the CI machine: torch on one thread in each (and in every
-    # process a test starts: notebook kernels, torchrun), as two processes of
-    # two threads each would spin and wait on each other.
+    # `make test` runs the suite on one worker process per core (pytest-xdist
+    # -n auto; two on the CI machine): torch on one thread in each (and in
+    # every process a test starts: notebook kernels, torchrun), as several
+    # processes of several threads each would spin and wait on each other.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 

@@ -656,6 +656,8 @@ def test_call_hook_drives_a_hook_as_the_handler_does():
     key = r"unknown state key 'lastmetrics' \(did you mean 'last_metrics'\?\)"
     with pytest.raises(ValueError, match=key):
         call_hook(Stop(), "on_epoch_end", lastmetrics=None)
+    with pytest.raises(ValueError, match="only on_train_end gets exception"):
+        call_hook(Stop(), "on_epoch_end", exception=None)
     event = r"unknown event 'on_epochend' \(did you mean 'on_epoch_end'\?\)"
     with pytest.raises(ValueError, match=event):
         call_hook(Stop(), "on_epochend")
