@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import time
 from typing import Any
 
 import torch
@@ -202,6 +204,7 @@ class TensorBoardLogger(Callback):
                 f"log_dir {self.log_dir!r} cannot be written to ({e}). Fix: pass "
                 "a directory you can write to, or create it first."
             ) from e
+        _after_the_newest_event_file(self.log_dir)
         return self._writer_cls(self.log_dir, purge_step=purge_step)
 
     def _read(self) -> None:
@@ -313,3 +316,22 @@ def _tensorboard() -> tuple[Any, Any]:
             "fitlib[tensorboard] (or pip install tensorboard)."
         ) from e
     return SummaryWriter, summary.hparams
+
+
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+
+
+def _after_the_newest_event_file(log_dir: str) -> None:
+    """Waits, when needed, so that the next event file sorts after the others.
+
+    TensorBoard reads a directory's event files in name order and skips one
+    that sorts before the file it has read. A name is
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>``, and two files
+    of one second sort by their counter as text (".10" before ".9"): a
+    second fit in the same second could go unread, silently. Starting the
+    next file in a later second keeps the names in order (a wait under a
+    second, only for fits that start within a second of the last).
+    """
+    stamps = [int(m.group(1)) for m in map(_EVENT_FILE.match, os.listdir(log_dir)) if m]
+    if stamps and max(stamps) >= int(time.time()):
+        time.sleep(max(0.0, max(stamps) + 1 - time.time()))

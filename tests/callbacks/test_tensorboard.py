@@ -244,6 +244,24 @@ def test_hparams_lr_is_the_schedules_peak_and_step_lr_the_steps_lr(tmp_path):
     assert values(scalars["step/lr"]) == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_second_fit_in_the_same_second_is_read_after_the_first(tmp_path, monkeypatch):
+    # Event files of one second sort by a counter written as text: the 10th
+    # writer's file (".10") sorts before the 9th's (".9"), and TensorBoard
+    # would skip it. The second fit's file must still be read.
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(
+        event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9)
+    )
+    tb = TensorBoardLogger(tmp_path, every_n_steps=5)
+    model = train([tb], epochs=1)
+    train([tb], epochs=1, model=model)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert [name.rsplit(".", 1)[-1] for name in files] == ["9", "10"], files
+    scalars, _, _ = read_run(tmp_path)
+    assert scalars["epoch/epoch"] == [(7, 0.0), (14, 1.0)]
+
+
 def test_a_second_fit_continues_the_step_and_epoch_count(tmp_path):
     tb = TensorBoardLogger(tmp_path, every_n_steps=5)
     model = train([tb], epochs=1)
