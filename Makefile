@@ -21,7 +21,7 @@ demo: $(VENV)/.base
 test: $(VENV)/.dev
 	$(PY) -m ruff check fitlib tests benchmarks examples notebooks
 	$(PY) -m ruff format --check fitlib tests benchmarks examples notebooks
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check --fix fitlib tests benchmarks examples notebooks
