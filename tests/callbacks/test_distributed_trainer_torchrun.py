@@ -23,8 +23,11 @@ pytestmark = pytest.mark.skipif(
 def torchrun(mode, out, n=2):
     env = child_env(OMP_NUM_THREADS="1")
     child = str(HERE / "dist_child.py")
+    # --log-dir beside out: without it each launch leaves a /tmp/torchelastic_*
+    logs = out.parent / f"{out.name}-torchrun-logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={n}", child, mode, str(out)]  # fmt: skip
+           f"--log-dir={logs}", f"--nproc_per_node={n}", child, mode,
+           str(out)]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
