@@ -45,6 +45,19 @@ NAMES = ("lr", "mom", "wd", "beta")
 _FIX = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
 
 
+def _hyper(name: str) -> property:
+    """The property ``name`` of ``HyperParams``: reads ``get(name)``, as one
+    value when every group shares it; sets ``set(name, value)``."""
+
+    def read(self: HyperParams) -> float | list[float]:
+        return _collapse(self.get(name))
+
+    def write(self: HyperParams, value: HyperParam) -> None:
+        self.set(name, value)
+
+    return property(read, write, doc=f"``{name}``: one value, or one per group.")
+
+
 class HyperParams:
     """``lr``, ``mom``, ``wd``, ``beta`` as properties over ``get`` and ``set``:
     one value when every group shares it, else one per group. What
@@ -56,37 +69,10 @@ class HyperParams:
     def set(self, name: str, value: Any) -> None:
         raise NotImplementedError
 
-    @property
-    def lr(self) -> float | list[float]:
-        return _collapse(self.get("lr"))
-
-    @lr.setter
-    def lr(self, value: HyperParam) -> None:
-        self.set("lr", value)
-
-    @property
-    def mom(self) -> float | list[float]:
-        return _collapse(self.get("mom"))
-
-    @mom.setter
-    def mom(self, value: HyperParam) -> None:
-        self.set("mom", value)
-
-    @property
-    def beta(self) -> float | list[float]:
-        return _collapse(self.get("beta"))
-
-    @beta.setter
-    def beta(self, value: HyperParam) -> None:
-        self.set("beta", value)
-
-    @property
-    def wd(self) -> float | list[float]:
-        return _collapse(self.get("wd"))
-
-    @wd.setter
-    def wd(self, value: HyperParam) -> None:
-        self.set("wd", value)
+    lr = _hyper("lr")
+    mom = _hyper("mom")
+    beta = _hyper("beta")
+    wd = _hyper("wd")
 
 
 class HPOptimizer(HyperParams):
