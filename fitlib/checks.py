@@ -13,11 +13,14 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
@@ -120,6 +123,30 @@ def check_number(
     return float(value)
 
 
+def check_flag(
+    value: Any, name: str, owner: str | None = None, example: str | None = None
+) -> bool:
+    """``value`` as a bool if it is one (Python's or NumPy's), else an
+    ``ArgTypeError`` in the wording of ``check_int``: ``"<owner>: <name> must
+    be True or False; got <value> (<type>). Fix: e.g. <example>."``. A truthy
+    string such as ``"no"``, or ``1``, would act as True: refused.
+    ``example`` is the fix as code (default ``<owner>(<name>=True)``).
+
+    Example:
+        >>> check_flag(False, "resume", "Checkpoint", "Checkpoint(dir, resume=False)")
+        False
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if example is None:
+        example = f"{owner}({name}=True)" if owner else f"{name}=True"
+    who = f"{owner}: " if owner else ""
+    raise ArgTypeError(
+        f"{who}{name} must be True or False; got {value!r} "
+        f"({type(value).__name__}). Fix: e.g. {example}."
+    )
+
+
 def _range(what: str, above: Any, minimum: Any, below: Any) -> str:
     low = f"({above:g}" if above is not None else None
     low = f"[{minimum:g}" if minimum is not None else low
@@ -140,6 +167,42 @@ def _refusal(
         f"{who}{name} must be {rule}{' or None' if none else ''}; got {value!r} "
         f"({type(value).__name__}). Fix: e.g. {call}."
     )
+
+
+def check_path(
+    value: Any,
+    name: str,
+    *,
+    owner: str | None = None,
+    what: str = "a path",
+    example: str,
+) -> Path:
+    """``value`` as a ``Path`` if it is a str or ``os.PathLike`` naming
+    something, else an error in the wording of ``check_int``: an
+    ``ArgTypeError`` for another type (None, bytes, a number), a ValueError
+    for an empty or blank string (``Path("")`` would silently mean the
+    current directory) or one with a NUL character. ``what`` names the kind
+    of path (``"a directory path"``), ``example`` the fix's value as code.
+
+    Example:
+        >>> check_path("runs/exp1", "dirpath", owner="Checkpoint",
+        ...            what="a directory path", example="'runs/exp1'")
+        PosixPath('runs/exp1')
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        rule = f"{what} (str or os.PathLike)"
+        raise ArgTypeError(_refusal(name, rule, value, owner, example, False))
+    text = os.fspath(value)
+    if not isinstance(text, str):  # a PathLike of bytes
+        rule = f"{what} (str or os.PathLike of str)"
+        raise ArgTypeError(_refusal(name, rule, value, owner, example, False))
+    if not text.strip():
+        rule = f"{what}, not empty or blank"
+        raise ValueError(_refusal(name, rule, value, owner, example, False))
+    if "\0" in text:
+        rule = f"{what} without a NUL character"
+        raise ValueError(_refusal(name, rule, value, owner, example, False))
+    return Path(text)
 
 
 # -- before training -------------------------------------------------------------
@@ -477,6 +540,12 @@ def is_class_index_loss(loss_func: Any) -> bool:
     """Whether ``loss_func`` is cross-entropy or NLL (a function, a module or
     a ``functools.partial`` of one): it takes class indices."""
     return _is(loss_func, _CLASS_INDEX, _CLASS_INDEX_MODULES)
+
+
+def takes_probabilities(loss_func: Any) -> bool:
+    """Whether ``loss_func`` is ``binary_cross_entropy`` (a function, a
+    ``partial`` or ``nn.BCELoss``): its input is a probability, not a logit."""
+    return _is(loss_func, (F.binary_cross_entropy,), (nn.BCELoss,))
 
 
 def ignore_index_of(loss_func: Any) -> int:

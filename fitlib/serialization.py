@@ -5,9 +5,17 @@ temporary file in the same directory (``.<name>.<random>.tmp``), flushes and
 fsyncs it, renames it over the target (atomic on POSIX), then fsyncs the
 directory so the rename itself survives a power cut. The file gets the mode a
 plain ``open(path, "w")`` would give it: ``0o666`` less the umask when it is
-new, the old file's mode when it replaces one. Loads use
-``torch.load(weights_only=True)``: fitlib never unpickles objects that could
-run code.
+new, the old file's mode when it replaces one. A save that cannot be written
+(a full disk) raises ``file_errors.SaveError`` naming the file, and leaves
+the old one.
+
+Saves always store a CRC-32 per member, even while the user has turned
+them off for ``torch.save`` (``torch.serialization.set_crc32_options``).
+Loads first check every member of the file's zip archive against the CRC-32
+``torch.save`` stored with it (``torch.load`` does not), and refuse a damaged
+file with ``file_errors.DamagedFileError``; then they use
+``torch.load(weights_only=True)`` on the same open file (the bytes checked
+are the bytes loaded): fitlib never unpickles objects that could run code.
 """
 
 from __future__ import annotations
@@ -25,20 +33,47 @@ from typing import IO, Any
 
 import torch
 
-from fitlib.sharding import is_dtensor, load_model
+from fitlib.file_errors import (
+    DamagedFileError,
+    failed_write,
+    save_error,
+    tensor_bytes,
+    verify_file,
+)
+from fitlib.sharding import is_dtensor, load_model, plain_keys, unwrap
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """Saves ``obj`` with ``torch.save`` so that ``path`` is never half written.
+
+    Raises:
+        SaveError: the file could not be written (e.g. no space left on the
+            device); ``path`` keeps what it held.
 
     Example:
         >>> atomic_save({"model": model.state_dict()}, "models/stage1.pth")
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(path) as f:
+    with (
+        _replacing(path, "wb", None, size=lambda: tensor_bytes(obj)) as f,
+        _checksums_on(),
+    ):
         torch.save(obj, f)
     return path
+
+
+@contextmanager
+def _checksums_on() -> Iterator[None]:
+    """CRC-32s written by ``torch.save`` within, whatever the user set (a file
+    without them cannot be verified as it loads); the setting is put back."""
+    options = torch.serialization
+    before = options.get_crc32_options()
+    options.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        options.set_crc32_options(before)
 
 
 @contextmanager
@@ -46,31 +81,47 @@ def atomic_write(
     path: str | os.PathLike, mode: str = "wb", newline: str | None = None
 ) -> Iterator[IO]:
     """A file to write that replaces ``path`` only once it is complete (and
-    on disk); an error inside the ``with`` leaves ``path`` as it was.
+    on disk); an error inside the ``with`` leaves ``path`` as it was (a write
+    that fails, e.g. on a full disk, raises ``SaveError`` naming ``path``).
 
     Example:
         >>> with atomic_write("log.csv", "w", newline="") as f:
         ...     csv.writer(f).writerows(rows)
     """
-    path = Path(path)
-    tmp, fd = _new_temporary(path)
+    with _replacing(Path(path), mode, newline) as f:
+        yield f
+
+
+@contextmanager
+def _replacing(
+    path: Path, mode: str, newline: str | None, size: Any = None
+) -> Iterator[IO]:
+    """``atomic_write``'s work; ``size()`` says how many bytes the save needs."""
+    tmp = None
     try:
+        tmp, fd = _new_temporary(path)  # (tmp stays None if it fails)
         with os.fdopen(fd, mode, newline=newline) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         _keep_mode(path, tmp)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        failed = failed_write(e) if isinstance(e, Exception) else None
+        if failed is None:
+            raise
+        raise save_error(path, failed, size, created=tmp is not None) from e
     fsync_dir(path.parent)
 
 
 def _new_temporary(path: Path) -> tuple[Path, int]:
     """A new file next to ``path``, created as ``open()`` creates one: mode
-    0o666 less the umask (``mkstemp`` would make it 0o600)."""
+    0o666 less the umask (``mkstemp`` would make it 0o600). ``O_EXCL`` (and
+    ``O_NOFOLLOW``) never open a link planted under the name: it is skipped."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    flags |= getattr(os, "O_NOFOLLOW", 0)
     for _ in range(16):  # 48 random bits: a clash is all but impossible
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
@@ -137,15 +188,22 @@ def fsync_dir(directory: Path) -> None:
 def safe_load(
     path: str | os.PathLike, map_location: Any = None, mmap: bool = False
 ) -> Any:
-    """Loads a file written by ``atomic_save`` with ``weights_only=True``.
+    """Loads a file written by ``atomic_save`` with ``weights_only=True``,
+    once ``verify_file`` has found every byte as it was saved.
 
-    ``mmap=True`` maps the tensors' storage instead of reading it (for a look
-    at the small entries of a big file).
+    The file is opened once: checked, then loaded from the same open file,
+    so a file that replaces it in between is not loaded unchecked.
+    ``mmap=True`` maps the tensors' storage instead of copying it; torch maps
+    a file by its name, so there the file is checked, then opened again by
+    name (a file swapped in between those two steps would load unchecked:
+    only ``best.pth``'s best value is read that way in fitlib).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is truncated, corrupt or not a torch save file,
-            or it holds Python objects other than tensors and plain values.
+        DamagedFileError: (a ValueError) the file is truncated, corrupt or not
+            a torch save file, or its bytes do not match their checksums.
+        ValueError: the file holds Python objects other than tensors and
+            plain values.
     """
     path = Path(path)
     if not path.is_file():
@@ -153,8 +211,22 @@ def safe_load(
             f"no saved state at {str(path)!r}. Fix: check the name, or call "
             "save() first."
         )
+    if mmap:
+        verify_file(path)
+        return _load(path, path, map_location, mmap=True)
+    with open(path, "rb") as f:
+        verify_file(path, f)
+        f.seek(0)
+        return _load(path, f, map_location, mmap=False)
+
+
+def _load(path: Path, source: Any, map_location: Any, mmap: bool) -> Any:
+    """``torch.load(weights_only=True)`` of ``source`` (``path`` or the file
+    opened from it), its errors said as fitlib's."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(
+            source, map_location=map_location, weights_only=True, mmap=mmap
+        )
     except Exception as e:
         objects = _unsafe_objects(path, e)
         if objects:
@@ -166,11 +238,14 @@ def safe_load(
                 "model.state_dict(), path), or a callback's state_dict() that "
                 "returns tensors, numbers, strings, lists and dicts."
             ) from None
-        raise ValueError(
-            f"could not read {str(path)!r} ({path.stat().st_size} bytes): the "
-            "file is truncated, corrupt or not a fitlib/torch save file. Fix: "
-            f"load an earlier save.{_loader_said(e)}"
-        ) from (None if "weights_only" in str(e) else e)  # never its advice
+        reason = (
+            f"is damaged: truncated, corrupt or not a fitlib/torch save file "
+            f"({path.stat().st_size} bytes){_loader_said(e)}"
+        )
+        fix = "load an earlier save"
+        raise DamagedFileError(path, reason, fix=fix, note="") from (
+            None if "weights_only" in str(e) else e  # never its advice
+        )
 
 
 def _unsafe_objects(path: Path, error: Exception) -> list[str]:
@@ -190,14 +265,23 @@ def _loader_said(error: Exception) -> str:
     message = str(error)
     if "weights_only" in message:
         found = re.search(r"WeightsUnpickler error:\s*(.+?)\n", message)
-        return f" Loader said: {found[1].strip()}" if found else ""
-    return f" Loader said: {type(error).__name__}: {message}"
+        return f"; the loader said: {found[1].strip()}" if found else ""
+    return f"; the loader said: {type(error).__name__}: {message}"
 
 
 def check_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
     """Raises a ValueError listing what does not match when ``state`` cannot
-    load into ``model`` (keys and shapes); changes nothing."""
-    own = model.state_dict()
+    load into ``model`` (keys and shapes); changes nothing. A wrapped model
+    (DDP, ``torch.compile``) is checked as its plain model, and the keys of
+    ``state`` may carry the wrappers' prefixes (``sharding.plain_keys``)."""
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{source} holds no model state: its 'model' entry is a "
+            f"{type(state).__name__}, not a dict of tensors. Fix: load a file "
+            "that fitlib saved (Learner.save or Checkpoint)."
+        )
+    own = unwrap(model).state_dict()
+    state = plain_keys(state, model)
     missing = sorted(own.keys() - state.keys())
     unexpected = sorted(state.keys() - own.keys())
     mismatched = [

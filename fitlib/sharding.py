@@ -6,6 +6,12 @@ The functions here give the whole state instead, in the same format as an
 unsharded model and a plain optimizer: a file saved from a sharded run loads
 into a single process (``Learner.load``) and the other way round.
 
+They also see through the wrappers a model may train in: ``DistributedDataParallel``
+(and ``DataParallel``) and ``torch.compile``'s ``OptimizedModule``, nested or
+not. A state holds the plain model's keys (no ``module.`` or ``_orig_mod.``
+prefix), and loads into a plain, a compiled or a wrapped model; a state of
+an earlier fitlib whose every key has such a prefix loads too.
+
 Gathering and scattering are collectives: under a sharded model every rank
 calls these functions together. Without a sharded model they are the plain
 ``state_dict``/``load_state_dict`` and need no process group.
@@ -13,6 +19,7 @@ calls these functions together. Without a sharded model they are the plain
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -81,9 +88,59 @@ def shard_model(
             _set_named(model, inner, state)
 
 
+# The prefixes that DDP (``module.``) and torch.compile add to the keys.
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP, ``DataParallel`` and ``torch.compile``'s
+    wrapper (nested in any order); any other model as it is.
+
+    Example:
+        >>> unwrap(DistributedDataParallel(torch.compile(net))) is net
+        True
+    """
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif _is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (none exists before
+    torch._dynamo is imported: no import here)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule)
+
+
+def plain_keys(state: dict, model: nn.Module) -> dict:
+    """``state`` with the wrappers' prefixes (``module.``, ``_orig_mod.``)
+    taken off its keys, for a state saved from a wrapped model by an earlier
+    fitlib: a prefix goes only while every key has it and the keys do not
+    already match ``model``'s (whose own submodule may be named ``module``)."""
+    own = unwrap(model).state_dict().keys()
+    while state and state.keys() != own:
+        prefix = next(
+            (p for p in _PREFIXES if all(str(k).startswith(p) for k in state)), None
+        )
+        if prefix is None:
+            break
+        state = {k[len(prefix) :]: v for k, v in state.items()}
+    return state
+
+
 def model_state(model: nn.Module) -> dict:
-    """``model.state_dict()``; for a sharded model, gathered on rank 0's host
-    (the other ranks get ``{}``)."""
+    """The plain model's ``state_dict()`` (see ``unwrap``); for a sharded
+    model, gathered on rank 0's host (the other ranks get ``{}``)."""
+    model = unwrap(model)
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -94,7 +151,10 @@ def model_state(model: nn.Module) -> dict:
 def load_model(model: nn.Module, state: dict) -> None:
     """``model.load_state_dict(state)`` for a whole state; a sharded model
     takes rank 0's ``state`` (the other ranks may pass ``{}``), each rank
-    keeping its slice of every tensor."""
+    keeping its slice of every tensor. A wrapped model loads into its plain
+    model, and the keys may carry the wrappers' prefixes (``plain_keys``)."""
+    state = plain_keys(state, model)
+    model = unwrap(model)
     if not is_sharded(model):
         model.load_state_dict(state)
         return
@@ -107,6 +167,7 @@ def load_model(model: nn.Module, state: dict) -> None:
 def optimizer_state(opt: Any, model: nn.Module) -> dict:
     """``opt.state_dict()``; for a sharded model, gathered on rank 0 (``{}``
     elsewhere) and keyed like a plain optimizer's (parameter numbers)."""
+    model = unwrap(model)
     if not is_sharded(model):
         return opt.state_dict()
     parts = getattr(opt, "parts", None)  # a MultiOptimizer: part by part
@@ -120,6 +181,7 @@ def optimizer_state(opt: Any, model: nn.Module) -> dict:
 
 def load_optimizer_state(opt: Any, model: nn.Module, state: dict) -> None:
     """``opt.load_state_dict(state)`` for what ``optimizer_state`` returns."""
+    model = unwrap(model)
     if not is_sharded(model):
         opt.load_state_dict(state)
         return

@@ -1,9 +1,12 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fitlib.checks import check_int, check_number
+from fitlib.callbacks import Checkpoint, CSVLogger, TensorBoardLogger
+from fitlib.checks import check_flag, check_int, check_number, check_path
+from fitlib.errors import ArgTypeError
 
 
 # -- check_int -------------------------------------------------------------------
@@ -93,3 +96,98 @@ def test_check_number_message_names_owner_argument_value_type_and_fix():
         "OneCycleScheduler: pct_start must be a fraction of training in (0, 1); "
         "got 2.0 (float). Fix: e.g. OneCycleScheduler(pct_start=0.3)."
     )
+
+
+# -- check_flag ------------------------------------------------------------------
+@pytest.mark.parametrize("value", [True, False, np.True_, np.False_])
+def test_check_flag_takes_python_and_numpy_bools_as_bools(value):
+    flag = check_flag(value, "resume", "Checkpoint", "Checkpoint(dir, resume=False)")
+    assert type(flag) is bool and flag == bool(value)
+
+
+@pytest.mark.parametrize("bad", ["no", 1, 0.0, None, np.int64(1)])
+def test_check_flag_refuses_the_rest_with_an_arg_type_error(bad):
+    with pytest.raises(ArgTypeError) as e:
+        check_flag(bad, "with_opt", "Learner.load", "learn.load('m', with_opt=False)")
+    assert str(e.value) == (
+        f"Learner.load: with_opt must be True or False; got {bad!r} "
+        f"({type(bad).__name__}). Fix: e.g. learn.load('m', with_opt=False)."
+    )
+
+
+def test_one_check_flag_serves_the_package(tmp_path):
+    import fitlib.interpret_checks
+    import fitlib.resume
+
+    assert not hasattr(fitlib.resume, "check_flag")
+    assert getattr(fitlib.interpret_checks, "check_flag", check_flag) is check_flag
+    with pytest.raises(ArgTypeError, match=r"Checkpoint: resume must be True or F"):
+        Checkpoint(tmp_path, resume="no")
+    assert Checkpoint(tmp_path, resume=np.False_).resume is False
+
+
+# -- check_path ------------------------------------------------------------------
+def test_check_path_takes_a_str_or_a_path_like():
+    assert check_path("runs/a", "dirpath", example="'runs/a'") == Path("runs/a")
+    assert check_path(Path("b.csv"), "path", example="'b.csv'") == Path("b.csv")
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\t\n"])
+def test_check_path_refuses_an_empty_or_blank_path_with_a_value_error(blank):
+    with pytest.raises(ValueError) as info:
+        check_path(blank, "path", owner="CSVLogger", what="a file path",
+                   example="'logs/run.csv'")  # fmt: skip
+    assert not isinstance(info.value, TypeError)  # the type is right
+    assert str(info.value) == (
+        f"CSVLogger: path must be a file path, not empty or blank; got {blank!r} "
+        "(str). Fix: e.g. CSVLogger(path='logs/run.csv')."
+    )
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"runs", ["runs"]])
+def test_check_path_refuses_what_is_no_path_with_a_type_error(bad):
+    with pytest.raises(TypeError) as info:
+        check_path(bad, "log_dir", owner="TensorBoardLogger", what="a directory path",
+                   example="'runs/exp1'")  # fmt: skip
+    assert str(info.value) == (
+        f"TensorBoardLogger: log_dir must be a directory path (str or os.PathLike); "
+        f"got {bad!r} ({type(bad).__name__}). Fix: e.g. "
+        "TensorBoardLogger(log_dir='runs/exp1')."
+    )
+
+
+def test_check_path_refuses_a_nul_character():
+    with pytest.raises(ValueError, match=r"without a NUL character; got 'a\\x00b'"):
+        check_path("a\0b", "path", example="'log.csv'")
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (Checkpoint, "dirpath"),
+        (CSVLogger, "path"),
+        (TensorBoardLogger, "log_dir"),
+    ],
+)
+@pytest.mark.parametrize("blank", ["", " "])
+def test_every_constructor_taking_a_path_refuses_an_empty_one_alike(make, name, blank):
+    with pytest.raises(ValueError, match=f"{make.__name__}: {name} must be") as info:
+        make(blank)
+    assert not isinstance(info.value, TypeError)
+    assert f"not empty or blank; got {blank!r} (str). Fix: e.g." in str(info.value)
+
+
+def test_takes_probabilities_knows_bce_as_function_partial_and_module():
+    import functools
+
+    from torch import nn
+    from torch.nn import functional as F  # noqa: N812
+
+    from fitlib.checks import takes_probabilities
+
+    assert takes_probabilities(F.binary_cross_entropy)
+    assert takes_probabilities(functools.partial(F.binary_cross_entropy, weight=None))
+    assert takes_probabilities(nn.BCELoss())
+    assert not takes_probabilities(F.binary_cross_entropy_with_logits)
+    assert not takes_probabilities(nn.BCEWithLogitsLoss())
+    assert not takes_probabilities(None)

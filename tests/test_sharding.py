@@ -10,13 +10,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Learner
-from fitlib.callbacks import DistributedTrainer, EarlyStopping, TrainStats
+from fitlib.callbacks import Checkpoint, DistributedTrainer, EarlyStopping, TrainStats
+from fitlib.serialization import atomic_save, load_model_state
 from fitlib.sharding import is_sharded, model_state, optimizer_state
 
 
-def learner(tmp_path, **kwargs):
-    return Learner(make_data(), make_model(), F.cross_entropy, progress=False,
-                   path=tmp_path, **kwargs)  # fmt: skip
+def learner(tmp_path, model=None, **kwargs):
+    return Learner(make_data(), model or make_model(), F.cross_entropy,
+                   progress=False, path=tmp_path, **kwargs)  # fmt: skip
 
 
 def fsdp(learn, **kwargs):
@@ -129,3 +130,83 @@ def test_float16_with_fsdp_is_a_clear_error(one_process_group, tmp_path):
 def test_bad_sharding_arguments_are_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         DistributedTrainer(**kwargs)
+
+
+# -- wrapped models: every file holds the plain model's keys -----------------------
+def compiled(model):
+    return torch.compile(model, backend="eager")  # a pass-through: fast
+
+
+def keys_of(path):
+    return set(torch.load(path, weights_only=True)["model"])
+
+
+def unplug(monkeypatch):
+    """The one-process group ends: what follows runs as a plain process."""
+    torch.distributed.destroy_process_group()
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: m, compiled], ids=["plain", "compiled"])
+def test_a_ddp_runs_checkpoints_load_in_one_process(
+    one_process_group, tmp_path, monkeypatch, capsys, wrap
+):
+    learn = ddp(learner(tmp_path, model=wrap(make_model())))
+    ckpt = Checkpoint(tmp_path / "ckpt", monitor="valid_loss")
+    learn.fit(2, lr=1e-2, callbacks=[ckpt])
+    plain_keys = set(make_model().state_dict())
+    files = [*ckpt.checkpoints(), tmp_path / "ckpt" / "best.pth"]
+    assert [keys_of(p) for p in files] == [plain_keys] * len(files)
+    assert keys_of(learn.save("after")) == plain_keys
+    unplug(monkeypatch)
+    alone = learner(tmp_path).load(tmp_path / "ckpt" / "best.pth", with_opt=False)
+    assert set(alone.model.state_dict()) == plain_keys
+    rerun = learner(tmp_path)  # the directory, rerun in one process
+    rerun.fit(2, lr=1e-2, callbacks=[Checkpoint(tmp_path / "ckpt")])
+    assert "already finished" in capsys.readouterr().out
+    assert same(rerun.model.state_dict(), model_state(learn.model))
+
+
+def test_a_compiled_models_files_hold_plain_keys_and_load_either_way(tmp_path):
+    learn = learner(tmp_path, model=compiled(make_model()))
+    learn.fit(1, lr=1e-2, callbacks=[Checkpoint(tmp_path / "ckpt")])
+    plain_keys = set(make_model().state_dict())
+    assert keys_of(Checkpoint(tmp_path / "ckpt").checkpoints()[-1]) == plain_keys
+    assert keys_of(learn.save("compiled")) == plain_keys
+    plain = learner(tmp_path, model=make_model(seed=5)).load("compiled")
+    assert same(plain.model.state_dict(), model_state(learn.model))
+    plain.save("plain")
+    again = learner(tmp_path, model=compiled(make_model(seed=7))).load("plain")
+    assert same(model_state(again.model), plain.model.state_dict())
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+def test_files_of_earlier_versions_with_wrapper_prefixes_load(tmp_path, prefix):
+    source = make_model(seed=3).state_dict()
+    old = {"model": {prefix + k: v for k, v in source.items()}}
+    atomic_save(old, tmp_path / "models" / "old.pth")
+    for model in (make_model(), compiled(make_model())):
+        learn = learner(tmp_path, model=model).load("old")
+        assert same(model_state(learn.model), source)
+
+
+def test_a_prefix_only_some_keys_have_is_not_stripped(tmp_path):
+    state = make_model().state_dict()
+    state = {("module." + k if k.startswith("0.") else k): v for k, v in state.items()}
+    with pytest.raises(ValueError, match=r"different model.*module\.0\.weight"):
+        load_model_state(make_model(), state, "the file")
+
+
+def test_a_model_whose_own_keys_start_with_module_loads_its_plain_file(tmp_path):
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = make_model()
+
+        def forward(self, x):
+            return self.module(x)
+
+    learn = learner(tmp_path, model=Holder())
+    assert keys_of(learn.save("holder")) == set(Holder().state_dict())
+    learner(tmp_path, model=Holder()).load("holder")  # no prefix stripped

@@ -9,13 +9,14 @@ the epoch, which decide the order of its batches. (``smooth_loss``, a display
 value, restarts its average at a resume; the Recorder's smoothed history
 continues exactly.)
 
-Resuming (``resume=True``, the default) finds the newest checkpoint in
-``dirpath`` when the fit begins. For a checkpoint taken inside an epoch it
-sets the RNG states of that epoch's start, draws the batches again and skips
-those already trained on (so shuffling, and augmentation in DataLoader
-workers, replay exactly), then sets the RNG states of the moment before the
-next batch was loaded. The run then ends with the same weights, bit for bit,
-as a run that never stopped:
+Resuming (``resume=True``, the default) finds the newest intact checkpoint
+in ``dirpath`` when the fit begins (``resume_from`` names another). For a
+checkpoint taken inside an epoch it sets the RNG states of that epoch's
+start, draws the batches again and skips those already trained on (so
+shuffling, and augmentation in DataLoader workers, replay exactly), then
+sets the RNG states of the moment before the next batch was loaded. The
+run then ends with the same weights, bit for bit, as a run that never
+stopped:
 
 - covered: shuffled DataLoaders (with or without ``generator=``, with or
   without workers), augmentation and dropout drawing from the torch, numpy
@@ -69,12 +70,34 @@ lock does not stop a run on another machine.
 With ``monitor``, a run that starts afresh next to a ``best.pth`` of the same
 monitor and mode starts from its best value: ``best.pth`` is replaced only by
 a better one (a line says so). A ``best.pth`` of another monitor is replaced
-by this run's best.
+by this run's best, and so is a damaged one (with a warning: its value is
+lost, so this run starts the best over). A directory named ``best.pth`` is
+refused before training.
+
+Damaged files and odd entries: a checkpoint that cannot be resumed from (any
+ValueError of ``safe_load``: truncated, flipped bits, not a torch file; a
+file lacking an entry a checkpoint holds; a directory or a dangling link
+under a checkpoint's name) is skipped with a warning naming it and why, and
+the run resumes from the newest intact one. It stays for you to look at;
+new checkpoints are numbered after it, and ``keep_last`` removes it as they
+come (never a directory). When no entry is intact, a ValueError names each.
+``resume_from`` picks the checkpoint to start from, as Lightning's
+``ckpt_path``: a file name in ``dirpath``, ``"best"`` (``best.pth``),
+``"last"`` (the default: the newest intact) or a path with a directory. It
+is checked when the ``Checkpoint`` is made (a missing one lists the files
+there); a damaged one is an error, not skipped. Every run of a script that
+passes it starts from it, so ``keep_last`` never deletes the file it names
+(it does not count among the ``keep_last``); checkpoints newer than it (of
+the run being restarted) are named in a warning, and go as this run saves.
+Once resumed, leave it out to resume from the newest. When no checkpoint is
+intact, the error's fix offers ``resume_from='best'`` if ``best.pth`` is.
 
 Files are written atomically (temporary file, fsync, rename, fsync of the
 directory): killing the process at any moment leaves the previous checkpoint
 loadable. They get the mode a plain ``open()`` would give them under the
-user's umask (an existing file's mode is kept). Files:
+user's umask (an existing file's mode is kept), and hold the plain model's
+keys whatever wraps it (DDP, ``torch.compile``): they load into a plain
+process with ``Learner.load``. Files:
 ``checkpoint-<number>.pth``, numbered after the newest in ``dirpath``
 whichever run wrote it (the newest ``keep_last`` are kept), and ``best.pth``
 (with ``monitor``).
@@ -83,16 +106,19 @@ whichever run wrote it (the newest ``keep_last`` are kept), and ``best.pth``
 from __future__ import annotations
 
 import os
-import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 from fitlib import ranks
 from fitlib.callback import Callback
-from fitlib.checks import check_int
+from fitlib.checks import check_flag, check_int, check_path
 from fitlib.core import len_or_none
+from fitlib.metrics.functions import load_class_dims, saved_class_dims
 from fitlib.monitor import Monitor
 from fitlib.resume import (
+    CHECKPOINT_NAME,
+    CheckpointFileError,
     DirLock,
     Position,
     Resumed,
@@ -102,9 +128,15 @@ from fitlib.resume import (
     check_writable,
     final_position,
     give_states,
+    listing,
+    not_a_file,
+    numbered,
+    read_checkpoint,
     remove_temporaries,
+    resume_path,
     run_differences,
     run_signature,
+    why_unloadable,
 )
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (
@@ -119,9 +151,9 @@ from fitlib.sharding import (
     load_optimizer_state,
     model_state,
     optimizer_state,
+    unwrap,
 )
 
-_NAME = re.compile(r"checkpoint-(\d+)\.pth")
 _DEFAULT = object()  # every_n_epochs left at its default
 FORMAT = 2  # 2: checkpoints hold their run's signature ("run")
 
@@ -141,9 +173,18 @@ class Checkpoint(Callback):
             (``"valid_loss"``, a metric's name...) in ``best.pth``.
         mode: ``"min"``, ``"max"`` or ``"auto"`` for ``monitor``.
         save_best: write ``best.pth`` (with ``monitor``).
-        resume: continue from the newest checkpoint in ``dirpath`` (it must
-            be of the same run); if it marks training as finished, say so and
-            train nothing. False starts afresh.
+        resume: continue from the newest intact checkpoint in ``dirpath``
+            (it must be of the same run; newer ones that are damaged are
+            skipped with a warning); if it marks training as finished, say so
+            and train nothing. False starts afresh.
+        resume_from: resume from this checkpoint instead of the newest (as
+            Lightning's ``ckpt_path``): a file name in ``dirpath``
+            (``"checkpoint-000040.pth"``), ``"best"`` (``best.pth``),
+            ``"last"`` (the newest, the default) or a path with a directory.
+            Checked as the object is made; used by every run of the script
+            (leave it out once resumed, to resume later from the newest), so
+            ``keep_last`` never deletes that file; newer checkpoints there
+            are named in a warning.
 
     Example:
         >>> ckpt = Checkpoint("runs/exp1", every_n_steps=500)
@@ -163,13 +204,27 @@ class Checkpoint(Callback):
         mode: str = "auto",
         save_best: bool = True,
         resume: bool = True,
+        resume_from: str | os.PathLike | None = None,
     ) -> None:
         if every_n_epochs is _DEFAULT:
             every_n_epochs = None if every_n_steps is not None else 1
         check_interval(every_n_epochs, every_n_steps)
         check_int(keep_last, "keep_last", minimum=1, owner=self.name, example=3)
-        self.dirpath = _check_dirpath(dirpath)
+        self.dirpath = check_path(
+            dirpath,
+            "dirpath",
+            owner=self.name,
+            what="a directory path",
+            example="'runs/exp1'",
+        )
         check_writable(self.dirpath)
+        save_best = check_flag(
+            save_best, "save_best", self.name, "Checkpoint(dir, save_best=False)"
+        )
+        resume = check_flag(
+            resume, "resume", self.name, "Checkpoint(dir, resume=False)"
+        )
+        self.resume_from = resume_path(resume_from, self.dirpath, resume)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.keep_last, self.save_best, self.resume = keep_last, save_best, resume
         if monitor == "train_loss":
@@ -199,6 +254,7 @@ class Checkpoint(Callback):
         n_epochs: int | None,
         max_steps: int | None,
         tally: Any,
+        loss_func: Any,
     ) -> dict | None:
         """Runs first: locks the directory; resumes from the newest checkpoint."""
         self._lock_directory()
@@ -209,7 +265,8 @@ class Checkpoint(Callback):
                 "every_n_epochs."
             )
         if self.monitor is not None:
-            self.monitor.start(metrics, data, train_metrics, callbacks)
+            self.monitor.start(metrics, data, train_metrics, callbacks, loss_func)
+            self._check_best_entry()
         # The same objects all fit long: kept for the saves.
         self._model, self._opt, self._loader = model, opt, data.train_dl
         self._tally, self._judge = tally, None
@@ -224,10 +281,10 @@ class Checkpoint(Callback):
             remove_temporaries(self.dirpath)  # the lock says no run writes them
         ranks.barrier()  # every rank sees the same files
         # A later fit of this object continues the process, not a crashed run.
-        newest = self.checkpoints()[-1:] if self.resume and not self._fits else []
+        found = self._to_resume() if self.resume and not self._fits else None
         self._fits += 1
-        if newest:
-            return self._load(newest[0])
+        if found is not None:
+            return self._load(*found)
         self._start_best()
         return None
 
@@ -369,25 +426,32 @@ class Checkpoint(Callback):
 
     # -- files -----------------------------------------------------------------
     def checkpoints(self) -> list[Path]:
-        """The regular checkpoints in ``dirpath``, oldest first."""
-        found = [(int(m[1]), p) for p in self.dirpath.glob("checkpoint-*.pth")
-                 if (m := _NAME.fullmatch(p.name))]  # fmt: skip
-        return [p for _, p in sorted(found)]
+        """The regular checkpoint files in ``dirpath``, oldest first (not a
+        directory or dangling link bearing such a name)."""
+        return [p for _, p in numbered(self.dirpath) if p.is_file()]
 
     def _save(self, where: Position) -> None:
-        # Numbered after the newest file, whichever run wrote it: the newest
-        # is always the highest number, and keep_last drops the lowest.
-        newest = self.checkpoints()[-1:]
-        number = int(_NAME.fullmatch(newest[0].name)[1]) + 1 if newest else 0
+        # Numbered after the newest entry, whichever run wrote it (and after
+        # an odd entry of that name): the newest is always the highest
+        # number, and keep_last drops the lowest files.
+        entries = numbered(self.dirpath)
+        number = entries[-1][0] + 1 if entries else 0
         path = self.dirpath / f"checkpoint-{number:06d}.pth"
         if ranks.is_main():
             self._watch.warn_changed(inside_epoch=where.num_batch > 0)
         self._write(path, where)
         self._due = False
         if ranks.is_main():
-            for old in self.checkpoints()[: -self.keep_last]:
+            for old in self._removable()[: -self.keep_last]:
                 old.unlink(missing_ok=True)
         ranks.barrier()  # no rank runs ahead of a save
+
+    def _removable(self) -> list[Path]:
+        """The checkpoints ``keep_last`` counts, oldest first: every file but
+        the one ``resume_from`` names (a later run of the script starts from
+        it again)."""
+        kept = self.resume_from
+        return [p for p in self.checkpoints() if kept is None or not _same(p, kept)]
 
     def _write(self, path: Path, where: Position) -> None:
         # Every rank's RNG states (each draws its own dropout) and callback
@@ -420,23 +484,94 @@ class Checkpoint(Callback):
                 "rng": rngs,
                 # Inside an epoch: what decided its order, to draw it again.
                 "epoch_rng": epoch_rngs if where.num_batch else None,
+                # The layouts its batches decided (find_class_dim): optional.
+                "class_dims": saved_class_dims(unwrap(self._model)),
             },
             path,
         )
 
     # -- resuming --------------------------------------------------------------
-    def _load(self, path: Path) -> dict:
-        saved = safe_load(path, map_location="cpu")
-        version = saved.get("fitlib_checkpoint") if isinstance(saved, dict) else None
-        if version not in (1, FORMAT):
-            newer = isinstance(version, int) and version > FORMAT
+    def _to_resume(self) -> tuple[Path, dict] | None:
+        """The checkpoint to resume from, read: ``resume_from``'s, or the
+        newest intact one."""
+        if self.resume_from is None:
+            return self._newest_intact()
+        try:
+            saved = read_checkpoint(self.resume_from, FORMAT)
+        except CheckpointFileError as e:  # named by the user: not skipped
             raise ValueError(
-                f"{str(path)!r} is a checkpoint of a newer fitlib (format {version}"
-                f"; this one reads up to {FORMAT}). Fix: upgrade fitlib."
-                if newer
-                else f"{str(path)!r} is not a fitlib Checkpoint file. Fix: move it "
-                "out of the checkpoint directory, or use another dirpath."
+                f"Checkpoint: resume_from names a checkpoint that cannot be "
+                f"resumed from: {e}. The checkpoints in {str(self.dirpath)!r}: "
+                f"{listing(self.dirpath)}. Fix: name another in resume_from."
+            ) from e.__cause__
+        self._warn_newer()
+        return self.resume_from, saved
+
+    def _warn_newer(self) -> None:
+        """Warns once about the checkpoints newer than ``resume_from``'s: the
+        run being restarted saved them, and this run's saves replace them."""
+        newer = [p.name for p in _newer(self.dirpath, self.resume_from)]
+        name = self.resume_from.name
+        kept = f" (never {name})" if CHECKPOINT_NAME.fullmatch(name) else ""
+        if newer and ranks.is_main():
+            warnings.warn(
+                f"Checkpoint: resuming from {name} (resume_from), although "
+                f"{str(self.dirpath)!r} holds newer checkpoints: "
+                f"{', '.join(newer)} (of the run being restarted). This run "
+                "numbers its saves after them, and keep_last removes them as "
+                f"it saves{kept}.",
+                UserWarning,
+                stacklevel=3,
             )
+
+    def _newest_intact(self) -> tuple[Path, dict] | None:
+        """The newest checkpoint that can be resumed from, read, after a
+        warning for each newer one skipped (None: there are none). When every
+        entry is unusable, an error names each."""
+        skipped: list[CheckpointFileError] = []
+        for _, path in reversed(numbered(self.dirpath)):
+            try:
+                saved = read_checkpoint(path, FORMAT)
+            except CheckpointFileError as e:
+                skipped.append(e)
+                continue
+            for e in skipped if ranks.is_main() else ():
+                warnings.warn(
+                    f"Checkpoint: skipped {e.path.name}: it {e.reason}. This run "
+                    f"resumes from {path.name}, the newest intact checkpoint, "
+                    "and leaves the skipped entry in place (keep_last removes "
+                    "a file as this run saves).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return path, saved
+        if skipped:
+            raise ValueError(self._none_intact(skipped))
+        return None
+
+    def _none_intact(self, skipped: list[CheckpointFileError]) -> str:
+        """The error when no checkpoint can be resumed from: each entry and
+        why, once, then one fix (``resume_from='best'`` when it is intact)."""
+        entries = "; ".join(f"{e.path.name!r} {e.reason}" for e in skipped)
+        here = str(self.dirpath)
+        best = self.dirpath / "best.pth"
+        try:
+            read_checkpoint(best, FORMAT)
+            from_best = (
+                f"; or resume from best.pth, which is intact: Checkpoint({here!r}, "
+                "resume_from='best')"
+            )
+        except (CheckpointFileError, ValueError):
+            from_best = ""
+        return (
+            f"Checkpoint: no checkpoint in {here!r} can be resumed from: "
+            f"{entries}. Fix: move these entries out of the directory (or delete "
+            f"them), or pass Checkpoint({here!r}, resume=False), which numbers its "
+            f"checkpoints after them, to start afresh{from_best}; or copy intact "
+            "files back from where they came from."
+        )
+
+    def _load(self, path: Path, saved: dict) -> dict:
         # Everything is checked before anything is loaded.
         check_model_state(self._model, saved["model"], repr(str(path)))
         _own_states(saved, path)
@@ -444,6 +579,7 @@ class Checkpoint(Callback):
         check_callbacks(self._others, saved["callbacks"], path)
         load_model(self._model, saved["model"])
         load_optimizer_state(self._opt, self._model, saved["opt"])
+        load_class_dims(unwrap(self._model), saved.get("class_dims") or ())
         give_states(self._others, saved["callbacks"])
         if saved.get("tally") is not None:  # (rank's own: see _own_states)
             self._tally.load_state_dict(saved["tally"])
@@ -502,7 +638,17 @@ class Checkpoint(Callback):
         if self.monitor is None or not self.save_best or not path.is_file():
             return
         self.monitor.reset()
-        saved = safe_load(path, map_location="cpu", mmap=True)  # weights unread
+        try:
+            saved = safe_load(path, map_location="cpu", mmap=True)  # weights unread
+        except ValueError as e:  # damaged: its best value is lost
+            warnings.warn(
+                f"Checkpoint: {str(path)!r} {why_unloadable(e, path)}; this run "
+                "starts the best over: the first value it judges replaces that "
+                "file.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         kept = saved.get("monitor") if isinstance(saved, dict) else None
         ours = _watched(self.monitor)
         if _watched(kept) == ours:
@@ -517,6 +663,18 @@ class Checkpoint(Callback):
                 f"fitlib: Checkpoint: {str(path)!r} kept the best "
                 f"{_watched(kept) or 'of no monitor'}; this run watches {ours} "
                 "and replaces it with its best."
+            )
+
+    def _check_best_entry(self) -> None:
+        """Refuses, before training, a ``best.pth`` that is no file to replace
+        (a directory); a dangling link is simply replaced."""
+        path = self.dirpath / "best.pth"
+        odd = not_a_file(path) if self.save_best else None
+        if odd in ("is a directory", "is not a regular file"):
+            raise ValueError(
+                f"Checkpoint: {str(path)!r} {odd}, so the best checkpoint cannot "
+                f"be written there. Fix: move it out of {str(self.dirpath)!r}, or "
+                "Checkpoint(..., save_best=False)."
             )
 
     def _resume_epoch(self, data: Any) -> dict | None:
@@ -570,14 +728,23 @@ def _watched(monitor: Any) -> str | None:
     return f"{monitor['monitor']} ({monitor.get('mode')})"
 
 
-def _check_dirpath(dirpath: Any) -> Path:
-    if not isinstance(dirpath, (str, os.PathLike)) or str(dirpath) == "":
-        raise TypeError(
-            f"Checkpoint: dirpath must be a directory path (str or os.PathLike); "
-            f"got {dirpath!r} ({type(dirpath).__name__}). Fix: e.g. "
-            "Checkpoint('runs/exp1')."
-        )
-    return Path(dirpath)
+def _same(a: Path, b: Path) -> bool:
+    """Whether two paths name the same file."""
+    try:
+        return a.samefile(b)
+    except OSError:  # one of them is gone
+        return False
+
+
+def _newer(dirpath: Path, named: Path) -> list[Path]:
+    """The checkpoints in ``dirpath`` saved after ``named``: numbered after
+    it when it is one of them, else modified after it."""
+    files = [p for _, p in numbered(dirpath) if p.is_file()]
+    match = CHECKPOINT_NAME.fullmatch(named.name)
+    if match and any(_same(p, named) for p in files):
+        return [p for p in files if int(p.stem[11:]) > int(match[1])]
+    since = named.stat().st_mtime_ns
+    return [p for p in files if p.stat().st_mtime_ns > since]
 
 
 def _say(message: str) -> None:

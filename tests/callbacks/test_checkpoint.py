@@ -535,7 +535,7 @@ def test_files_get_the_mode_open_gives_under_the_umask(tmp_path, umask, mode):
     assert [stat.S_IMODE(p.stat().st_mode) for p in files] == [mode] * 2
 
 
-@pytest.mark.parametrize("dirpath", [None, 3, ""])
+@pytest.mark.parametrize("dirpath", [None, 3])  # "": tests/test_checks.py
 def test_a_dirpath_that_is_not_a_path_is_a_type_error(dirpath):
     with pytest.raises(TypeError, match="dirpath must be a directory path") as info:
         Checkpoint(dirpath)
