@@ -29,7 +29,7 @@ import torch
 
 from fitlib import ranks
 from fitlib.checks import ignore_index_of, is_class_index_loss
-from fitlib.errors import add_note, describe
+from fitlib.errors import add_note, describe, did_you_mean
 from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
 
 Record = dict[str, Any]
@@ -337,8 +337,11 @@ class EpochTally:
         >>> tally.record(0, [valid_loss, acc], ["accuracy"], lr=0.1)["train_loss"]
     """
 
-    def __init__(self, train_metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, train_metrics: Metrics | None = None, loss_func: Any = None
+    ) -> None:
         self.train_metrics = train_metrics if train_metrics else Metrics(None)
+        self.loss_func = loss_func  # the first batch's metric check reads it
         self.has_metrics = bool(self.train_metrics)  # read per step: once
         self._checked = False  # the metrics' inputs, at the first batch
         # The loss parts seen in this fit: each has a train_ and a valid_
@@ -404,7 +407,7 @@ class EpochTally:
         targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
         with torch.no_grad():
             if not self._checked:  # the first training batch of the fit
-                self.train_metrics.check(output, targets)
+                self.train_metrics.check(output, targets, self.loss_func)
                 self._checked = True
             self.train_metrics.update(output, targets)
         self._metric_batches += 1
@@ -634,8 +637,9 @@ def check_added(owner: str, record: Record, values: Any, declared: tuple) -> Rec
             )
         if name not in declared:
             raise ValueError(
-                f"{owner} added {name!r} to the epoch record without declaring "
-                f"it (its record_names are {list(declared)}). Fix: list it in "
+                f"{owner} added {name!r}{did_you_mean(name, declared)} to the "
+                "epoch record without declaring it (its record_names are "
+                f"{list(declared)}). Fix: list it in "
                 f"the class, e.g. record_names = ({name!r},), so loggers and "
                 "monitors know it before training."
             )

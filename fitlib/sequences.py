@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F  # noqa: N812
 from torch.nn.utils.rnn import pad_sequence
 
+from fitlib.errors import ArgTypeError
 from fitlib.metrics.functions import check_index, class_rows
 
 
@@ -48,14 +49,15 @@ class PadCollate:
         ignore_index: int = -100,
         teacher_forcing: bool = False,
     ) -> None:
-        self.pad_value = check_index(pad_value, "pad_value", "PadCollate", "0")
+        self.pad_value = check_index(pad_value, "pad_value", "PadCollate", "0", False)
         self.ignore_index = check_index(
-            ignore_index, "ignore_index", "PadCollate", "-100"
+            ignore_index, "ignore_index", "PadCollate", "-100", False
         )
         if not isinstance(teacher_forcing, bool):
-            raise TypeError(
+            raise ArgTypeError(
                 f"PadCollate: teacher_forcing must be True or False; got "
-                f"{teacher_forcing!r}. Fix: PadCollate(teacher_forcing=True)."
+                f"{teacher_forcing!r} ({type(teacher_forcing).__name__}). Fix: "
+                "e.g. PadCollate(teacher_forcing=True)."
             )
         self.teacher_forcing = teacher_forcing
 
@@ -78,6 +80,7 @@ class PadCollate:
             return (x, lengths, y_in), y_out
         if len({y.shape for y in ys}) == 1 and ys[0].ndim == 0:
             return (x, lengths), torch.stack(ys)
+        _check_targets(ys)
         y = pad_sequence(ys, batch_first=True, padding_value=self.ignore_index)
         return (x, lengths), y
 
@@ -91,7 +94,7 @@ class PadCollate:
                     "it takes (x, y) items of 1-d sequences. Fix: make the "
                     "dataset return (tokens, target) pairs."
                 )
-            x, y = (torch.as_tensor(v) for v in item)
+            x, y = (_as_tensor(v, i, name) for v, name in zip(item, "xy"))
             if x.ndim != 1:
                 raise ValueError(
                     f"PadCollate: item {i}'s x has shape {tuple(x.shape)}; it pads "
@@ -105,6 +108,42 @@ class PadCollate:
         return (
             f"PadCollate(pad_value={self.pad_value}, ignore_index="
             f"{self.ignore_index}, teacher_forcing={self.teacher_forcing})"
+        )
+
+
+def _as_tensor(value: object, i: int, name: str) -> Tensor:
+    """Item ``i``'s ``x`` or ``y`` as a tensor; str tokens are refused."""
+    words = [value] if isinstance(value, str) else value
+    if isinstance(words, (list, tuple)) and any(isinstance(w, str) for w in words):
+        raise TypeError(
+            f"PadCollate: item {i}'s {name} holds str tokens ({value!r:.60}); it "
+            "pads token ids (ints). Fix: map the tokens to ids in the dataset, "
+            "e.g. [vocab[w] for w in words] with vocab = {w: i for i, w in "
+            "enumerate(sorted(set(all_words)), start=1)} (0 left for padding)."
+        )
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"PadCollate: item {i}'s {name} is {type(value).__name__}, which is "
+            f"no sequence of numbers ({e}). Fix: make the dataset return "
+            "tensors, or lists of token ids."
+        ) from e
+
+
+def _check_targets(ys: list[Tensor]) -> None:
+    """Refuses targets that are labels for some items and sequences for
+    others: ``pad_sequence`` cannot pad them together."""
+    kinds = {"a single label" if y.ndim == 0 else "a sequence" for y in ys}
+    if len(kinds) > 1:
+        label = next(i for i, y in enumerate(ys) if y.ndim == 0)
+        seq = next(i for i, y in enumerate(ys) if y.ndim != 0)
+        raise ValueError(
+            f"PadCollate: item {label}'s y is a single label (shape ()), but "
+            f"item {seq}'s is a sequence (shape {tuple(ys[seq].shape)}): the "
+            "targets of a batch are either one label per sequence (stacked) or "
+            "one tag per token (padded). Fix: make the dataset return one kind, "
+            "e.g. torch.tensor([label]) for a sequence of one."
         )
 
 
@@ -131,7 +170,9 @@ def masked_cross_entropy(
     """Cross-entropy averaged over the tokens whose target is not
     ``ignore_index``, for logits ``(B, T, C)`` (channels last, as a decoder
     gives them) or ``(B, C, T)``: the class dim is found as the metrics find
-    it (``class_dim`` when both fit).
+    it (``find_class_dim``): a fit's first batch decides it, a later batch
+    padded to as many tokens as there are classes keeps it, and a first
+    batch that fits both asks for ``class_dim``.
 
     Example:
         >>> masked_cross_entropy(torch.zeros(1, 3, 4), torch.tensor([[0, 2, -100]]))

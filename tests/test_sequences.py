@@ -1,6 +1,8 @@
 """Variable-length sequences: padding with lengths, the teacher-forcing
 shift, masks, and a cross-entropy over the real tokens, through a fit."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,8 @@ from torch.nn import functional as F  # noqa: N812
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import DataLoader
 
-from fitlib import DataBunch, Learner
+from fitlib import Callback, DataBunch, Learner
+from fitlib.callbacks import Checkpoint
 from fitlib.metrics import TokenAccuracy
 from fitlib.sequences import PadCollate, masked_cross_entropy, sequence_mask
 
@@ -120,3 +123,193 @@ def test_pad_collate_refuses_what_it_cannot_pad():
         TypeError, match=r"teacher_forcing must be True or False; got 'yes'"
     ):
         PadCollate(teacher_forcing="yes")
+
+
+# -- the class dim, decided once per fit -------------------------------------------
+def tag_pairs(lengths, tags=5, seed=0):
+    """One (tokens, tags) item per length, in order."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(1, 8, (t,), generator=g),
+            torch.randint(0, tags, (t,), generator=g),
+        )
+        for t in lengths
+    ]
+
+
+class TagLinear(nn.Module):
+    """Channels last: a tag score per token, (B, T, tags)."""
+
+    def __init__(self, tags=5):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(8, 8), nn.Linear(8, tags)
+
+    def forward(self, x, lengths):
+        return self.head(self.emb(x))
+
+
+class TagConv(TagLinear):
+    """Channels first, as a Conv1d gives them: (B, tags, T)."""
+
+    def forward(self, x, lengths):
+        return super().forward(x, lengths).transpose(1, 2)
+
+
+@pytest.mark.parametrize("model", [TagLinear, TagConv])
+def test_a_batch_whose_length_equals_the_tag_count_keeps_the_fits_class_dim(model):
+    # Batches padded to 3, 4 then 5 tokens with 5 tags: the third batch's
+    # (B, 5, 5) output fits both layouts; the first batch decided.
+    train = tag_pairs([3, 2, 4, 1, 5, 5])
+    valid = tag_pairs([5, 4, 2, 3], seed=1)  # its first batch is ambiguous too
+    collate = PadCollate()
+    data = DataBunch(
+        DataLoader(train, 2, collate_fn=collate),
+        DataLoader(valid, 2, collate_fn=collate),
+        device="cpu",
+    )
+    torch.manual_seed(0)
+    learn = Learner(
+        data, model(), masked_cross_entropy, metrics=[TokenAccuracy()],
+        train_metrics=[TokenAccuracy()], progress=False,
+    )  # fmt: skip
+    record = learn.fit(2, lr=0.1)[-1]
+    (x, lengths), y = collate(valid)
+    with torch.no_grad():
+        out = learn.model(x, lengths)
+    scores = out if model is TagLinear else out.transpose(1, 2)
+    keep = y != -100
+    want_acc = (scores.argmax(-1) == y)[keep].double().mean().item()
+    assert record["token_accuracy"] == pytest.approx(want_acc)
+    want_loss = F.cross_entropy(scores[keep], y[keep]).item()
+    assert record["valid_loss"] == pytest.approx(want_loss, rel=1e-5)
+
+
+def test_a_first_batch_that_fits_both_layouts_asks_for_class_dim_before_training():
+    collate = PadCollate()
+    dl = DataLoader(tag_pairs([5, 2, 3, 4]), 2, collate_fn=collate)
+    learn = Learner(
+        DataBunch(dl, dl, device="cpu"), TagLinear(), masked_cross_entropy,
+        progress=False,
+    )  # fmt: skip
+    before = [p.clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match=r"class_dim.*partial\(masked_cross_entropy"):
+        learn.fit(1, lr=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
+    # Said once, it holds for the fit.
+    learn.loss_func = functools.partial(masked_cross_entropy, class_dim=-1)
+    assert learn.fit(1, lr=0.1)[-1]["valid_loss"] > 0
+
+
+def test_a_decision_lives_as_long_as_its_fit_and_survives_an_evaluation_inside_it():
+    collate = PadCollate()
+    train = DataLoader(tag_pairs([3, 2, 5, 5, 4, 1]), 2, collate_fn=collate)
+    valid = DataLoader(tag_pairs([5, 4, 2, 3], seed=1), 2, collate_fn=collate)
+    torch.manual_seed(0)
+    learn = Learner(
+        DataBunch(train, valid, device="cpu"), TagLinear(), masked_cross_entropy,
+        metrics=[TokenAccuracy()], progress=False,
+    )  # fmt: skip
+    # fit_snapshots yields after each step: validate() there evaluates the
+    # same model (sharing its decisions), then the fit's second batch,
+    # (2, 5, 5), still reads channels last as the first batch decided.
+    for _ in learn.fit_snapshots(n_steps=3, every=1, lr=0.1):
+        learn.validate(DataLoader(tag_pairs([3, 2]), 2, collate_fn=collate))
+    # The decisions are the model's: another model's channels-first (2, 5, 5)
+    # output is ambiguous again, not read as the first model's layout.
+    other = Learner(
+        DataBunch(valid, valid, device="cpu"), TagConv(), masked_cross_entropy,
+        progress=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"class_dim"):
+        other.validate()
+
+
+def _tag_data(train_lengths, valid_lengths):
+    collate = PadCollate()
+    return DataBunch(
+        DataLoader(tag_pairs(train_lengths), 2, collate_fn=collate),
+        DataLoader(tag_pairs(valid_lengths, seed=1), 2, collate_fn=collate),
+        device="cpu",
+    )
+
+
+def test_validate_after_a_fit_keeps_the_class_dim_the_fit_decided():
+    # The validation set's first batch, (2, 5, 5), fits both layouts: the
+    # fit's first training batch decided channels last for this model.
+    torch.manual_seed(0)
+    learn = Learner(
+        _tag_data([3, 2, 4, 1, 5, 5], [5, 4, 2, 3]), TagLinear(),
+        masked_cross_entropy, metrics=[TokenAccuracy()], progress=False,
+    )  # fmt: skip
+    record = learn.fit(1, lr=0.1)[-1]
+    got = learn.validate()
+    assert got["valid_loss"] == record["valid_loss"]
+    assert got["token_accuracy"] == record["token_accuracy"]
+
+
+class _Die(Callback):
+    def on_batch_begin(self, step, train):
+        if train and step == 1:
+            raise KeyboardInterrupt
+
+
+def test_a_resumed_fit_keeps_the_class_dim_its_first_run_decided(tmp_path):
+    # Killed after step 1 (a (2, 3, 5) batch decided channels last); the
+    # resumed fit's first batch, (2, 5, 5), fits both layouts.
+    def make(callbacks):
+        torch.manual_seed(0)
+        return Learner(
+            _tag_data([3, 2, 5, 5, 4, 1], [3, 4, 2, 1]), TagLinear(),
+            masked_cross_entropy, progress=False, callbacks=callbacks,
+        )  # fmt: skip
+
+    with pytest.raises(KeyboardInterrupt):
+        make([Checkpoint(tmp_path, every_n_steps=1), _Die()]).fit(1, lr=0.1)
+    resumed = make([Checkpoint(tmp_path, every_n_steps=1)]).fit(1, lr=0.1)[-1]
+    unbroken = make([]).fit(1, lr=0.1)[-1]
+    assert resumed["train_loss"] == unbroken["train_loss"]
+    assert resumed["valid_loss"] == unbroken["valid_loss"]
+
+
+# -- what PadCollate cannot pad, and its arguments ---------------------------------
+def test_pad_collate_names_the_item_whose_target_is_a_label_among_sequences():
+    items = [
+        (torch.tensor([5, 6]), torch.tensor([1, 0])),
+        (torch.tensor([7]), torch.tensor(1)),
+    ]
+    with pytest.raises(
+        ValueError, match=r"item 1's y is a single label.*item 0's.*a sequence.*Fix"
+    ):
+        PadCollate()(items)
+
+
+def test_pad_collate_says_str_tokens_need_ids():
+    with pytest.raises(TypeError, match=r"item 0's x holds str.*Fix: map.*ids"):
+        PadCollate()([(["the", "cat"], 1)])
+    with pytest.raises(TypeError, match=r"item 1's y holds str.*Fix"):
+        PadCollate()([([1, 2], 0), ([3], "pos")])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"pad_value": None},
+            TypeError,
+            r"PadCollate: pad_value must be an int; got None",
+        ),
+        (
+            {"pad_value": 1.5},
+            TypeError,
+            r"PadCollate: pad_value must be an int; got 1.5",
+        ),
+        ({"pad_value": True}, TypeError, r"pad_value must be an int; got True"),
+        ({"ignore_index": "x"}, TypeError, r"ignore_index must be an int; got 'x'"),
+        ({"ignore_index": None}, TypeError, r"ignore_index must be an int; got None"),
+        ({"teacher_forcing": 1}, TypeError, r"teacher_forcing must be True or False"),
+    ],
+)
+def test_pad_collate_checks_its_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PadCollate(**kwargs)

@@ -3,7 +3,8 @@ token), F-scores, mean IoU and Dice from a confusion matrix, and perplexity.
 
 Each takes ``class_dim`` (where the class scores sit; found from the shapes by
 default, see ``find_class_dim``) and ``ignore_index`` (targets not counted:
-padding tokens, unlabelled pixels).
+padding tokens, unlabelled pixels); those that read one score per target
+(binary) take ``from_logits`` and ``threshold``.
 """
 
 import math
@@ -16,6 +17,8 @@ from fitlib.checks import check_int, check_number
 from fitlib.metrics.accumulate import Metric, accumulation_dtype
 from fitlib.metrics.functions import (
     _match,
+    binary_cut,
+    check_binary_scores,
     check_class_targets,
     check_index,
     class_predictions,
@@ -25,19 +28,45 @@ from fitlib.metrics.functions import (
 
 class _ClassMetric(Metric):
     """A metric of class targets: checks them on a first batch, knowing its
-    ``class_dim`` and ``ignore_index``."""
+    ``class_dim`` and ``ignore_index``, and, for one score per target,
+    whether it is a logit (``from_logits``) and the ``threshold`` of class 1."""
 
-    def __init__(self, class_dim: int | None, ignore_index: int | None) -> None:
+    reads_binary = True  # one score per target is a binary prediction
+
+    def __init__(
+        self,
+        class_dim: int | None,
+        ignore_index: int | None,
+        from_logits: bool | None = None,
+        threshold: float = 0.5,
+    ) -> None:
         owner = type(self).__name__
         self.class_dim = check_index(class_dim, "class_dim", owner, "1")
         self.ignore_index = check_index(ignore_index, "ignore_index", owner, "-100")
+        self.cut = binary_cut(from_logits, threshold, owner)
+        self.from_logits, self.threshold = from_logits, threshold
         super().__init__()
 
-    def check_inputs(self, output: Tensor, *targets: Tensor) -> None:
+    def check_inputs(
+        self, output: Tensor, *targets: Tensor, loss_func: object = None
+    ) -> None:
+        """Refuses targets that are no class labels and, with ``loss_func``
+        (the fit's loss), probabilities read as logits (``from_logits``)."""
         check_class_targets(
             self.name, output, *targets, class_dim=self.class_dim,
-            ignore_index=self.ignore_index,
+            ignore_index=self.ignore_index, owner=type(self).__name__,
         )  # fmt: skip
+        if targets:
+            self.check_scores(output, targets[0], loss_func)
+
+    def check_scores(self, output: Tensor, y: Tensor, loss_func: object) -> None:
+        """Only the check of one score per target read the wrong way
+        (``check_binary_scores``); run on a fit's first training batch too."""
+        if self.reads_binary:
+            check_binary_scores(
+                type(self).__name__, self.name, output, y,
+                self.from_logits, loss_func, self.class_dim,
+            )  # fmt: skip
 
 
 class Accuracy(_ClassMetric):
@@ -48,9 +77,16 @@ class Accuracy(_ClassMetric):
 
     Args:
         class_dim: the output's dim of class scores; None finds it from the
-            shapes (last dim, or dim 1 for channels first).
+            shapes (last dim, or dim 1 for channels first; a later batch
+            whose shape fits both keeps the fit's first decision).
         ignore_index: targets equal to it are not counted (padding tokens,
             unlabelled pixels); None counts all.
+        from_logits: for one score per target (binary): True, a logit;
+            False, a probability (a sigmoid's output); None, a logit, and
+            the first batch refuses it under a loss that takes probabilities
+            (``binary_cross_entropy``, ``nn.BCELoss``).
+        threshold: the probability above which one score per target
+            predicts class 1 (a logit is compared with its logit, 0 for 0.5).
 
     Example:
         >>> m = Accuracy(ignore_index=-100)
@@ -63,11 +99,15 @@ class Accuracy(_ClassMetric):
     default_ignore: int | None = None  # when ignore_index is None
 
     def __init__(
-        self, class_dim: int | None = None, ignore_index: int | None = None
+        self,
+        class_dim: int | None = None,
+        ignore_index: int | None = None,
+        from_logits: bool | None = None,
+        threshold: float = 0.5,
     ) -> None:
         if ignore_index is None:
             ignore_index = self.default_ignore
-        super().__init__(class_dim, ignore_index)
+        super().__init__(class_dim, ignore_index, from_logits, threshold)
 
     def reset(self) -> None:
         self.hits: Tensor | None = None  # a device count
@@ -77,7 +117,9 @@ class Accuracy(_ClassMetric):
         y = targets[0]
         if not y.numel():
             return
-        pred = class_predictions(output, y, self.name, self.class_dim)[0]
+        pred = class_predictions(
+            output, y, self.name, self.class_dim, self.cut, type(self).__name__
+        )[0]
         right = pred == y
         if self.ignore_index is None:
             hits, count = right.sum(), y.numel()
@@ -144,6 +186,8 @@ class _ConfusionMetric(_ClassMetric):
         num_classes: int | None = None,
         class_dim: int | None = None,
         ignore_index: int | None = None,
+        from_logits: bool | None = None,
+        threshold: float = 0.5,
     ) -> None:
         owner = type(self).__name__
         check_int(
@@ -151,7 +195,7 @@ class _ConfusionMetric(_ClassMetric):
             allow_none=True,
         )  # fmt: skip
         self.num_classes = num_classes
-        super().__init__(class_dim, ignore_index)
+        super().__init__(class_dim, ignore_index, from_logits, threshold)
 
     def reset(self) -> None:
         # Flat C*C counts plus one trailing slot for out-of-range targets.
@@ -160,7 +204,9 @@ class _ConfusionMetric(_ClassMetric):
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
         y = targets[0]
-        pred, c = class_predictions(output, y, self.name, self.class_dim)
+        pred, c = class_predictions(
+            output, y, self.name, self.class_dim, self.cut, type(self).__name__
+        )
         if self.cm is None:
             self._start(c, output.device)
         if c != self.n_cls:
@@ -222,7 +268,8 @@ class FBeta(_ConfusionMetric):
         average: "binary" (F of class 1; one logit per sample, positive when
             > 0, or two class columns), "macro" or "micro".
         num_classes: defaults to the output's class dim (2 for one logit).
-        class_dim, ignore_index: as for ``Accuracy`` (per pixel, per token).
+        class_dim, ignore_index, from_logits, threshold: as for ``Accuracy``
+            (per pixel, per token; a probability per sample).
 
     Like scikit-learn's defaults, macro averages the classes seen in targets
     or predictions, and an undefined precision or recall counts as 0.
@@ -245,6 +292,8 @@ class FBeta(_ConfusionMetric):
         num_classes: int | None = None,
         class_dim: int | None = None,
         ignore_index: int | None = None,
+        from_logits: bool | None = None,
+        threshold: float = 0.5,
     ) -> None:
         owner = type(self).__name__
         check_number(beta, "beta", above=0, owner=owner, example=1.0)
@@ -256,7 +305,7 @@ class FBeta(_ConfusionMetric):
         self.beta, self.average = float(beta), average
         if type(self).name == Metric.name:  # Dice keeps its own
             self.name = f"f{beta:g}_score"
-        super().__init__(num_classes, class_dim, ignore_index)
+        super().__init__(num_classes, class_dim, ignore_index, from_logits, threshold)
 
     def _start(self, c: int, device: torch.device) -> None:
         super()._start(c, device)
@@ -295,8 +344,12 @@ class F1Score(FBeta):
         num_classes: int | None = None,
         class_dim: int | None = None,
         ignore_index: int | None = None,
+        from_logits: bool | None = None,
+        threshold: float = 0.5,
     ) -> None:
-        super().__init__(1.0, average, num_classes, class_dim, ignore_index)
+        super().__init__(
+            1.0, average, num_classes, class_dim, ignore_index, from_logits, threshold
+        )
 
 
 class Dice(F1Score):
@@ -314,12 +367,18 @@ class Dice(F1Score):
 
 class MeanIoU(_ConfusionMetric):
     """Mean intersection over union, TP / (TP + FP + FN) per class over the
-    whole set, averaged over the classes seen in targets or predictions.
+    whole set, averaged over the classes seen in targets or predictions, as
+    torchmetrics' ``MulticlassJaccardIndex`` (macro) does.
 
     Args:
         num_classes: defaults to the output's class dim.
         class_dim, ignore_index: as for ``Accuracy`` (a segmentation's
-            ``(B, C, H, W)`` output is found channels first).
+            ``(B, C, H, W)`` output is found channels first). Targets equal to
+            ``ignore_index`` are not counted, and when it is a class (0, the
+            background), that class is left out of the mean even where the
+            model predicts it; its predictions elsewhere still count against
+            the true class.
+        from_logits, threshold: as for ``Accuracy`` (one score per pixel).
 
     Example:
         >>> m = MeanIoU()
@@ -334,6 +393,9 @@ class MeanIoU(_ConfusionMetric):
         tp, fp, fn = self._counts()
         den = tp + fp + fn
         iou = torch.where(den > 0, tp / den, torch.zeros_like(den))
+        if self.ignore_index is not None and 0 <= self.ignore_index < self.n_cls:
+            den = den.clone()
+            den[self.ignore_index] = 0  # not a class the mean counts
         return self._nan_if_outside(_mean_present(iou, den))
 
 
@@ -350,6 +412,7 @@ class Perplexity(_ClassMetric):
     """
 
     name = "perplexity"
+    reads_binary = False
 
     def __init__(self, class_dim: int | None = None, ignore_index: int = -100) -> None:
         if ignore_index is None:
@@ -364,7 +427,9 @@ class Perplexity(_ClassMetric):
         self.count: Tensor | None = None  # tokens counted
 
     def update(self, output: Tensor, *targets: Tensor) -> None:
-        logits, t = class_rows(output, targets[0], self.name, self.class_dim)
+        logits, t = class_rows(
+            output, targets[0], self.name, self.class_dim, type(self).__name__
+        )
         dtype = accumulation_dtype(output.device)
         nll = F.cross_entropy(
             logits.to(dtype), t, ignore_index=self.ignore_index, reduction="sum"

@@ -14,23 +14,23 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from fitlib.errors import describe, reraise
+from fitlib.errors import ArgTypeError, describe, reraise
 from fitlib.metrics.accumulate import (
     AvgMetric,
     Metric,
     _TorchMetricAdapter,
     accumulation_dtype,
 )
-from fitlib.metrics.classification import Accuracy, ErrorRate
+from fitlib.metrics.classification import Accuracy, ErrorRate, _ClassMetric
 from fitlib.metrics.functions import accuracy, error_rate
 from fitlib.structure import parts, pick
 
 Reducer = Callable[[Tensor], Tensor]
 
 
-def _bad_metric(m: object, why: str) -> TypeError:
+def _bad_metric(m: object, why: str, owner: str = "metrics") -> TypeError:
     return TypeError(
-        f"metrics: cannot use {m!r} (type {type(m).__name__}) as a metric: {why}. "
+        f"{owner}: cannot use {m!r} (type {type(m).__name__}) as a metric: {why}. "
         "Fix: pass a function f(output, *targets) -> batch mean, a fitlib Metric "
         "(instance or class) or a torchmetrics.Metric instance."
     )
@@ -40,8 +40,9 @@ def _is_torchmetric(m: object) -> bool:
     return all(callable(getattr(m, a, None)) for a in ("update", "compute", "reset"))
 
 
-def as_metric(m: object) -> Metric:
-    """Turn anything accepted in `metrics=[...]` into a `Metric`.
+def as_metric(m: object, owner: str = "metrics") -> Metric:
+    """Turn anything accepted in `metrics=[...]` into a `Metric` (``owner``
+    names the argument in errors).
 
     Example:
         >>> as_metric(accuracy).name, as_metric(RMSE).name
@@ -51,11 +52,12 @@ def as_metric(m: object) -> Metric:
         return m
     if isinstance(m, type):
         if not issubclass(m, Metric):
-            raise _bad_metric(m, "it is a class; pass an instance")
+            raise _bad_metric(m, "it is a class; pass an instance", owner)
         try:
             return m()
         except TypeError as e:
-            raise _bad_metric(m, f"it needs arguments ({e}); pass an instance") from e
+            why = f"it needs arguments ({e}); pass an instance"
+            raise _bad_metric(m, why, owner) from e
     if _is_torchmetric(m):
         return _TorchMetricAdapter(m)
     counted = _counted(m)
@@ -63,18 +65,22 @@ def as_metric(m: object) -> Metric:
         return counted
     if callable(m):
         return AvgMetric(m)
-    raise _bad_metric(m, "it is not callable")
+    raise _bad_metric(m, "it is not callable", owner)
+
+
+_COUNTED_KEYWORDS = {"class_dim", "ignore_index", "from_logits", "threshold"}
 
 
 def _counted(m: object) -> Metric | None:
     """``accuracy`` and ``error_rate`` (or a ``functools.partial`` of them with
-    ``class_dim`` / ``ignore_index``) as the metric that counts them over the
-    whole set: exact when batches count different numbers of targets."""
+    ``class_dim``, ``ignore_index``, ``from_logits``, ``threshold``) as the
+    metric that counts them over the whole set: exact when batches count
+    different numbers of targets."""
     func, kwargs = m, {}
     if isinstance(m, functools.partial) and not m.args:
         func, kwargs = m.func, m.keywords
     cls = {accuracy: Accuracy, error_rate: ErrorRate}.get(func)  # type: ignore[call-overload]
-    if cls is None or not kwargs.keys() <= {"class_dim", "ignore_index"}:
+    if cls is None or not kwargs.keys() <= _COUNTED_KEYWORDS:
         return None
     return cls(**kwargs)
 
@@ -89,7 +95,8 @@ class Part(Metric):
             a torchmetrics object).
         output: the part of the output it scores: an index, a key (or a
             dataclass field), or a tuple of them for a nested part; None for
-            the whole output.
+            the whole output (fitlib's metrics, which score a tensor, then
+            take its ``logits`` part, as in ``metrics=[...]``).
         target: the same for the targets: an index among several targets
             (``loss_func(out, y_cls, y_box)``), or a key or index into one
             structured target (a dict); None for all of them.
@@ -107,19 +114,25 @@ class Part(Metric):
         target: Any = None,
         name: str | None = None,
     ) -> None:
-        self.metric = as_metric(metric)
-        self.output, self.target = output, target
-        if name is not None and not isinstance(name, str):
-            raise TypeError(
-                f"Part: name must be a str or None; got {describe(name)}. "
-                'Fix: e.g. Part(accuracy, output=0, name="class_accuracy").'
+        self.metric = as_metric(metric, "Part: metric")
+        self.output = _check_path(output, "output")
+        self.target = _check_path(target, "target")
+        if name is not None and not (isinstance(name, str) and name):
+            error = ValueError if isinstance(name, str) else ArgTypeError
+            raise error(
+                f"Part: name must be a non-empty str or None; got {name!r} "
+                f"({type(name).__name__}). Fix: e.g. Part(accuracy, output=0, "
+                'name="class_accuracy").'
             )
         self.name = name or self.metric.name
+        self._wants_tensor = _scores_tensors(self.metric)
 
     def select(self, output: Any, targets: tuple) -> tuple[Any, tuple]:
         """The output part and the targets this metric scores."""
         if self.output is not None:
             output = pick(output, self.output, f"{self.name}: the output")
+        elif self._wants_tensor and not isinstance(output, Tensor):
+            output = tensor_of(output, self.name, len(targets))
         if self.target is not None:
             whole = targets[0] if len(targets) == 1 else targets
             targets = (pick(whole, self.target, f"{self.name}: the targets"),)
@@ -132,7 +145,8 @@ class Part(Metric):
         output, targets = self.select(output, targets)
         self.metric.update(output, *targets)
 
-    def check_inputs(self, output: Any, *targets: Any) -> None:
+    def check_inputs(self, output: Any, *targets: Any, loss_func: Any = None) -> None:
+        """The metric's check on its part (``loss_func``: the fit's loss)."""
         try:
             output, picked = self.select(output, targets)
         except KeyError as e:
@@ -143,7 +157,7 @@ class Part(Metric):
                 f"{self.metric.name} scores one. Fix: say which, e.g. "
                 f"Part(..., output={self.output!r}, target=0)."
             )
-        self.metric.check_inputs(output, *picked)
+        check_metric(self.metric, output, picked, loss_func)
 
     def compute(self) -> Tensor:
         return self.metric.compute()
@@ -156,6 +170,53 @@ class Part(Metric):
 
     def check_sums(self) -> None:
         self.metric.check_sums()
+
+
+_PATH_RULE = (
+    "an index (int), a key (str), a non-empty tuple of them for a nested part, or None"
+)
+
+
+def _check_path(path: Any, name: str) -> Any:
+    """``path`` if ``pick`` can take it; else an error worded as ``check_int``."""
+    steps = path if isinstance(path, tuple) else (path,)
+    if path is None or (steps and all(_is_step(k) for k in steps)):
+        return path
+    error = ValueError if path == () else ArgTypeError
+    raise error(
+        f"Part: {name} must be {_PATH_RULE}; got {path!r} "
+        f"({type(path).__name__}). Fix: e.g. Part(accuracy, {name}=0) or "
+        f"Part(accuracy, {name}={'logits' if name == 'output' else 'labels'!r})."
+    )
+
+
+def _is_step(key: Any) -> bool:
+    return isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool))
+
+
+def tensor_of(output: Any, name: str, n_targets: int = 1) -> Any:
+    """The tensor a metric that scores one takes from a structured output:
+    its ``logits`` part (``transformers``' outputs); else a TypeError saying
+    which ``Part`` to write."""
+    have = parts(output)
+    if "logits" in have:
+        return pick(output, "logits", f"{name}: the output")
+    example = have[0] if have else "..."
+    more = "; and at one target with target=..." if n_targets > 1 else "."
+    raise TypeError(
+        f"{name} scores a tensor, but the model's output is {describe(output)}. "
+        f"Fix: point it at one part, e.g. Part({name}, output={example!r}) (the "
+        f"parts are {have}){more}"
+    )
+
+
+def check_metric(m: Metric, output: Any, targets: tuple, loss_func: Any) -> None:
+    """``m.check_inputs``; fitlib's class metrics and ``Part`` also get the
+    fit's ``loss_func`` (a loss that takes probabilities)."""
+    if type(m).check_inputs in (Part.check_inputs, _ClassMetric.check_inputs):
+        m.check_inputs(output, *targets, loss_func=loss_func)  # not overridden
+    else:
+        m.check_inputs(output, *targets)
 
 
 def _scores_tensors(m: Metric) -> bool:
@@ -245,38 +306,49 @@ class Metrics:
                 where = f"on output {describe(output)} and targets {describe(targets)}"
                 _reraise(name, where, e)
 
-    def check(self, output: Tensor, targets: tuple) -> None:
+    def check(self, output: Any, targets: tuple, loss_func: Any = None) -> None:
         """Each metric's ``check_inputs`` on a first batch (may read the device).
 
         fitlib's metrics given a structured output score its ``logits`` part
-        when it has one (``transformers``' outputs); any other structure needs
-        a ``Part``.
+        when it has one (``transformers``' outputs), as ``Part`` without
+        ``output`` does (``tensor_of``); any other structure needs a ``Part``.
+        ``loss_func``, the fit's loss, tells a binary metric whether one
+        score per sample is a probability (``from_logits``).
         """
         for i, (name, m) in enumerate(zip(self.names, self.metrics, strict=True)):
             if not isinstance(output, Tensor) and _scores_tensors(m):
-                have = parts(output)
-                if "logits" in have:
-                    m = self.metrics[i] = Part(m, output="logits")
-                    m.name = name
-                    self._check_one(name, m, output, targets)
-                    continue
-                example = have[0] if have else "..."
-                raise TypeError(
-                    f"{name} scores a tensor, but the model's output is "
-                    f"{describe(output)}. Fix: point it at one part, e.g. "
-                    f"Part({name}, output={example!r}) (the parts are {have})"
-                    + (
-                        "; and at one target with target=..."
-                        if len(targets) > 1
-                        else "."
-                    )
-                )
-            self._check_one(name, m, output, targets)
+                tensor_of(output, name, len(targets))  # or says which Part
+                m = self.metrics[i] = Part(m, name=name)
+            self._check_one(name, m, output, targets, loss_func)
+
+    def check_probabilities(
+        self, output: Any, targets: tuple, loss_func: Any = None
+    ) -> None:
+        """Only the check of one score per target read as a logit (a
+        probability loss, see ``check_binary_scores``), on a fit's first
+        training batch: such a fit stops before its first step. The other
+        checks wait for ``check`` (a metric's own batches)."""
+        for m in self.metrics:
+            inner = m.metric if isinstance(m, Part) else m
+            if not isinstance(inner, _ClassMetric) or not inner.reads_binary:
+                continue
+            try:
+                out, picked = m.select(output, targets) if m is not inner else (
+                    output, targets)  # fmt: skip
+                if not isinstance(out, Tensor):
+                    out = tensor_of(out, inner.name, len(targets))
+            except (KeyError, TypeError, ValueError):
+                continue  # check says what is wrong, at the metric's batch
+            one = out.ndim == 1 or (out.ndim > 1 and 1 in (out.shape[1], out.shape[-1]))
+            if one and picked and isinstance(picked[0], Tensor):
+                inner.check_scores(out, picked[0], loss_func)
 
     @staticmethod
-    def _check_one(name: str, m: Metric, output: Any, targets: tuple) -> None:
+    def _check_one(
+        name: str, m: Metric, output: Any, targets: tuple, loss_func: Any
+    ) -> None:
         try:
-            m.check_inputs(output, *targets)
+            check_metric(m, output, targets, loss_func)
         except (TypeError, ValueError):
             raise  # already says what to do
         except Exception as e:

@@ -221,3 +221,36 @@ def test_an_unlabelled_value_in_the_masks_suggests_ignoring_that_value(gen):
     for metric in (accuracy, MeanIoU(), Dice()):
         with pytest.raises(ValueError, match=r"hold 255.*Fix: .*ignore_index=255"):
             Metrics([metric]).check(out, (y,))
+
+
+def torchmetrics_iou(out, y, ignore_index):
+    tm = pytest.importorskip("torchmetrics.classification")
+    c = out.shape[1]
+    m = tm.MulticlassJaccardIndex(c, ignore_index=ignore_index, average="macro")
+    return m(out, y).item()
+
+
+@pytest.mark.parametrize("ignore_index", [0, 2, 255, None])
+def test_mean_iou_with_ignore_index_matches_torchmetrics(gen, ignore_index):
+    # Per pixel, channels first; the ignored class is also predicted.
+    out, y = segmentation(gen, c=4, ignore=ignore_index)
+    want = torchmetrics_iou(out, y, ignore_index)
+    got = run([MeanIoU(ignore_index=ignore_index)], out, y, (4, 4, 1))
+    assert got == pytest.approx([want])
+
+
+def test_mean_iou_leaves_out_a_real_class_given_as_ignore_index(gen):
+    # Flat (N, C) scores; class 0 is predicted where targets are other classes,
+    # class 3 is neither a target nor predicted.
+    out = torch.randn(17, 4, generator=gen)
+    y = torch.randint(0, 3, (17,), generator=gen)
+    out[:, 3] = -9.0
+    out[:5, 0] = 9.0
+    y[:5] = 1
+    want = torchmetrics_iou(out, y, 0)
+    assert run([MeanIoU(ignore_index=0)], out, y) == pytest.approx([want])
+    # The same with every class-0 target removed: class 0 is still predicted.
+    keep = y != 0
+    out, y = out[keep], y[keep]
+    got = run([MeanIoU(ignore_index=0)], out, y, (len(y),))
+    assert got == pytest.approx([torchmetrics_iou(out, y, 0)])

@@ -109,3 +109,19 @@ def test_class_metrics_refuse_labels_the_output_cannot_score(out, y, shown):
     for metric in (accuracy, F1Score()):
         with pytest.raises(ValueError, match=rf"targets hold {shown}, outside it"):
             Metrics([metric]).check(out, (y,))
+
+
+def test_the_class_dim_ambiguity_fix_names_the_class_or_the_function():
+    from fitlib.metrics import MeanIoU
+    from fitlib.metrics.functions import swap_class_dims
+
+    out, y = torch.randn(2, 5, 5), torch.randint(0, 5, (2, 5))
+    outer = swap_class_dims({})  # as in a fit: nothing decided yet
+    try:
+        with pytest.raises(ValueError, match=r"MeanIoU\(class_dim=1\)") as e:
+            MeanIoU().check_inputs(out, y)
+        assert "partial(" not in str(e.value)
+        with pytest.raises(ValueError, match=r"partial\(accuracy, class_dim=-1\)"):
+            accuracy(out, y)
+    finally:
+        swap_class_dims(outer)
