@@ -130,7 +130,6 @@ last_output         ``on_loss_begin`` (what the loss and metrics get) and
                     ``on_batch_end`` (what later callbacks see)
 last_loss           ``on_backward_begin`` (what ``backward()`` uses) and
                     ``on_batch_end`` (what later callbacks record)
-last_metrics        ``on_epoch_end``, with as many values as it had
 record              ``on_epoch_end``: values to add (merged, never replaced)
 stop_epoch          the batch events
 stop_training,      any event but ``on_train_end``
@@ -143,13 +142,16 @@ validate_now        the batch events
 ==================  ==========================================================
 
 ``train_metrics``, ``callbacks``, ``n_epochs``, ``train``, ``smooth_loss``,
-``last_loss_parts``, ``tally`` and ``mid_epoch`` are read only;
-``on_train_end`` returns nothing.
+``last_loss_parts``, ``last_metrics``, ``tally`` and ``mid_epoch`` are read
+only; ``on_train_end`` returns nothing. (``last_metrics`` is read only since
+the record is built before ``on_epoch_end``: a changed list would reach only
+the later callbacks, not the record, history, monitors and loggers. A value
+of your own goes in the record: ``{"record": {"name": value}}``, the name
+declared in ``record_names``.)
 """
 
 from __future__ import annotations
 
-import difflib
 import signal
 import sys
 import threading
@@ -162,8 +164,9 @@ import torch
 from fitlib import ranks
 from fitlib.checks import check_trainable
 from fitlib.dispatch import hook_caller, receives
-from fitlib.errors import add_note
+from fitlib.errors import add_note, did_you_mean, unknown_name
 from fitlib.metrics import Metrics
+from fitlib.metrics.functions import class_dims_of, swap_class_dims
 from fitlib.multi_optimizer import as_optimizer
 from fitlib.record import (
     EpochTally,
@@ -174,6 +177,7 @@ from fitlib.record import (
     loss_count,
     step_lr,
 )
+from fitlib.sharding import unwrap
 from fitlib.structure import map_tensors
 
 EVENTS = (
@@ -236,6 +240,8 @@ _FIT_EVENTS = EVENTS[:-1]  # all but on_train_end, after which nothing reads
 _SWAP_EVENTS = ("on_train_begin", "on_epoch_begin", "on_batch_begin",
                 "on_batch_end", "on_epoch_end")  # fmt: skip
 _SWAPPABLE = frozenset(("model", "opt", "loss_func", "metrics"))
+# Read only because the record is built from them before on_epoch_end.
+_BUILT_INTO_RECORD = frozenset(("last_metrics",))
 
 WRITABLE: dict[str, tuple[str, ...]] = {
     "model": _SWAP_EVENTS,  # wrapped (DDP) before training, or another model
@@ -253,7 +259,6 @@ WRITABLE: dict[str, tuple[str, ...]] = {
     "last_target": ("on_batch_begin",),
     "last_output": ("on_loss_begin", "on_batch_end"),
     "last_loss": ("on_backward_begin", "on_batch_end"),
-    "last_metrics": ("on_epoch_end",),  # the same number of values
     "record": ("on_epoch_end",),  # values added to the epoch's record
     "stop_epoch": _BATCH_EVENTS,
     "stop_training": _FIT_EVENTS,
@@ -287,6 +292,11 @@ class Callback:
     # sweep: yes for what shapes a step (mixed precision, accumulation,
     # clipping, yours); no for checkpoints, loggers, schedulers and stoppers.
     in_lr_find: bool = True
+    # Whether the Learner's evaluation (validate, get_preds, predict) runs this
+    # callback of learn.callbacks, as a fit's validation does: yes for what
+    # shapes the forward pass (precision, memory format, compilation). Its
+    # on_train_begin then gets opt=None (no step), then validation batches.
+    in_evaluation: bool = False
     # The hyper-parameters this callback sets outright at every step (a
     # schedule): two such callbacks of one fit may not share one, since the
     # later would silently overwrite the earlier. A callback that adjusts a
@@ -371,25 +381,24 @@ def call_hook(cb: Callback, event: str, **state: Any) -> dict | None:
         >>> call_hook(rec, "on_epoch_end", last_metrics=[torch.tensor(0.3)])
     """
     if event not in EVENTS:
-        close = difflib.get_close_matches(str(event), EVENTS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"call_hook: unknown event {event!r}{hint}. Fix: one of "
-            f"{', '.join(EVENTS)}."
+            unknown_name("call_hook", "event", event, EVENTS, "pass one of them.")
         )
     extra = {"exception": None} if event == "on_train_end" else {}
     unknown = sorted(state.keys() - _VALID_KEYS - extra.keys())
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], STATE_KEYS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        if unknown == ["exception"]:
-            hint = " (only on_train_end gets exception)"
-        more = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+    if unknown == ["exception"]:
         raise ValueError(
-            f"call_hook: unknown state key {unknown[0]!r}{hint}{more}. Fix: "
-            f"pass state keys among {', '.join(STATE_KEYS)}."
+            "call_hook: unknown state key 'exception' (only on_train_end gets "
+            f"exception). Fix: pass state keys among {', '.join(STATE_KEYS)}."
         )
-    return _caller(cb, event)(CallbackHandler().state | extra | state)
+    if unknown:
+        more = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+        fix = f"pass state keys among them{more}."
+        raise ValueError(
+            unknown_name("call_hook", "state key", unknown[0], STATE_KEYS, fix)
+        )
+    base = CallbackHandler().state | {"train": False}  # as after on_train_begin
+    return _caller(cb, event)(base | extra | state)
 
 
 def _caller(cb: Callback, event: str) -> Hook:
@@ -464,13 +473,26 @@ def _check_hook_names(cb: Any) -> None:
         return
     stray = [n for n in dir(cls) if n.startswith("on_") and n not in EVENTS]
     for name in stray:
-        close = difflib.get_close_matches(name, EVENTS, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
         raise TypeError(
-            f"callback {cls.__name__} defines {name}, which no event calls, so it "
-            f"would never run: {hint}The events are {', '.join(EVENTS)}. Fix: "
-            "rename it (a helper method: a name without the on_ prefix)."
+            f"callback {cls.__name__} defines {name}{did_you_mean(name, EVENTS)}, "
+            f"which no event calls, so it would never run. The events are "
+            f"{', '.join(EVENTS)}. Fix: rename it (a helper method: a name "
+            "without the on_ prefix)."
         )
+
+
+_BEGIN_CALL = (
+    "call handler.on_train_begin(n_epochs, model=model, opt=opt, data=data, "
+    "loss_func=loss_func) before the first epoch (metrics=..., "
+    "train_metrics=... too if you have them)"
+)
+_MISSING_BATCH_BEGIN = (
+    "CallbackHandler: loss_batch ran a batch without on_batch_begin, so the "
+    "callbacks did not see it start (gradient accumulation sizes its group "
+    "there, mixed precision turns autocast on). Fix: for each batch, call "
+    "xb, yb = handler.on_batch_begin(xb, yb) before loss_batch(model, xb, yb, "
+    "loss_func, opt, handler), and handler.on_batch_end(loss) after it."
+)
 
 
 def _not_writable(cb: Callback, event: str, key: str | None) -> str:
@@ -481,6 +503,16 @@ def _not_writable(cb: Callback, event: str, key: str | None) -> str:
         what = (
             f"{key!r}, which takes effect only when returned from "
             f"{', '.join(WRITABLE[key])}: here it would be ignored or misread"
+        )
+    elif key in _BUILT_INTO_RECORD:
+        what = (
+            f"{key!r}, which is read only: the epoch's record is built from it "
+            "before on_epoch_end, so the record, history, monitors and loggers "
+            "would keep the loop's values and only later callbacks would see "
+            "yours. The record's existing values cannot be replaced; to add "
+            "a value under a new name, return {'record': {'my_value': v}} "
+            "from on_epoch_end, with the name declared in the class "
+            "(record_names = ('my_value',))"
         )
     else:
         what = (
@@ -552,19 +584,6 @@ def _same_hyper(a: str, b: str) -> bool:
     return hyper_a == hyper_b and (part_a == part_b or not part_a or not part_b)
 
 
-def _check_same_length(cb: Callback, old: Any, new: Any) -> None:
-    n_old = None if old is None else len(old)
-    n_new = None if new is None else len(new)
-    if n_old != n_new:
-        raise ValueError(
-            f"{cb.name}.on_epoch_end returned last_metrics with {n_new} value(s) "
-            f"where the fit has {n_old} ([valid_loss, *metrics]); tables, logs "
-            "and monitors would put the extra values under the wrong names. Fix: "
-            "change values in place only; to report another number, pass it as "
-            "a metric (metrics=[...])."
-        )
-
-
 class CallbackHandler:
     """Keeps the training state and calls the callbacks' hooks in ``order``.
 
@@ -572,13 +591,21 @@ class CallbackHandler:
     the handler lists, once, the callbacks that override that hook, so an
     event nobody overrides costs one empty loop.
 
-    ``fit`` makes one per run; to drive hooks around your own loop:
+    ``fit`` makes one per run; to drive hooks around your own loop, call
+    each event where ``fit`` does (the README's "Event timeline" has the whole
+    loop). An event before ``on_train_begin``, or ``loss_batch`` before
+    ``on_batch_begin``, is refused with the call that is missing; a hook that
+    fails on a key ``on_train_begin`` was not given gets a note naming it.
 
     Example:
         >>> handler = CallbackHandler([Recorder()])
-        >>> handler.on_train_begin(1, model=model, opt=opt)
+        >>> handler.on_train_begin(1, model=model, opt=opt, data=data,
+        ...                        loss_func=loss_func)
+        >>> handler.on_epoch_begin()
         >>> xb, yb = handler.on_batch_begin(xb, yb)
         >>> handler.on_batch_end(loss_batch(model, xb, yb, loss_func, opt, handler))
+        >>> handler.on_epoch_end(validate(model, data.valid_dl, loss_func))
+        >>> handler.on_train_end(None)
     """
 
     def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
@@ -593,8 +620,12 @@ class CallbackHandler:
             for ev in EVENTS
         }
         self.state: dict[str, Any] = dict.fromkeys(STATE_KEYS)
-        self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=False)
+        # train=None until on_train_begin: the first batch event then sees a
+        # new loader, where it checks that training was begun (not per batch).
+        self.state.update(epoch=0, iteration=0, step=0, num_batch=0, train=None)
         self.state.update(validate_now=False, mid_epoch=False)
+        self._begun = False  # on_train_begin has run
+        self._not_given: list[str] = []  # what on_train_begin was not given
         self._record_step = False  # records carry their step (see on_train_begin)
         self.state["callbacks"] = list(self.callbacks)
         self.tally = self.state["tally"] = EpochTally()
@@ -622,7 +653,36 @@ class CallbackHandler:
         if check in self._checked:
             return False
         self._checked.add(check)
+        if self.callbacks:  # (a batch of loss_batch or validate: driven right?)
+            self._check_begun("loss_batch")
+            if self.state["last_input"] is None:
+                raise RuntimeError(_MISSING_BATCH_BEGIN)
         return True
+
+    def _check_begun(self, event: str) -> None:
+        """Refuses an event before ``on_train_begin``: the callbacks set up
+        there (autocast, the number of steps, the model's parameters)."""
+        if not self._begun and self.callbacks:
+            raise RuntimeError(
+                f"CallbackHandler: {event} before on_train_begin, so the "
+                f"callbacks ({', '.join(cb.name for cb in self.callbacks)}) were "
+                f"not set up. Fix: {_BEGIN_CALL}."
+            )
+
+    def _note_not_given(self, e: Exception) -> None:
+        """Adds to a hook's error the keys ``on_train_begin`` was not given:
+        on an error about None (``'NoneType' object has no attribute ...``),
+        or on any error without a model or data (``fit`` always gives them;
+        an evaluation has no ``opt``, a model's own loss no ``loss_func``)."""
+        on_none = isinstance(e, AttributeError) and getattr(e, "obj", 0) is None
+        on_none = on_none or "'NoneType'" in str(e)
+        missing = self._not_given
+        if missing and (on_none or {"model", "data"} & set(missing)):
+            add_note(
+                e,
+                f"fitlib: on_train_begin got no {', '.join(missing)} (None), "
+                f"which a callback may need. Fix: {_BEGIN_CALL}.",
+            )
 
     def __call__(self, event: str, **extra: Any) -> None:
         """Calls ``event`` on every callback that overrides it (with ``extra``
@@ -638,6 +698,7 @@ class CallbackHandler:
                 update = hook(kwargs)
             except Exception as e:
                 add_note(e, f"fitlib: raised in callback {cb.name}.{event}")
+                self._note_not_given(e)
                 raise
             if update is not None:
                 self._apply(cb, event, update)
@@ -647,6 +708,7 @@ class CallbackHandler:
             update = hook(kwargs)
         except Exception as e:
             add_note(e, f"fitlib: raised in callback {cb.name}.{event}")
+            self._note_not_given(e)
             raise
         if update is not None:
             self._apply(cb, event, update)
@@ -657,17 +719,17 @@ class CallbackHandler:
                 f"{cb.name}.{event} returned {type(update).__name__} "
                 f"({update!r}); a hook returns None or a dict of state updates."
             )
-        unknown = update.keys() - _VALID_KEYS
+        unknown = sorted(map(str, update.keys() - _VALID_KEYS))
         if unknown:
+            more = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+            fix = f"return only state keys{more} (WRITABLE: when each is read)."
+            owner = f"{cb.name}.{event}"
             raise ValueError(
-                f"{cb.name}.{event} returned unknown state key(s) "
-                f"{sorted(unknown)}; valid keys are: {', '.join(STATE_KEYS)}."
+                unknown_name(owner, "state key", unknown[0], STATE_KEYS, fix)
             )
         for key in update:
             if event not in WRITABLE.get(key, ()):
                 raise ValueError(_not_writable(cb, event, key))
-        if "last_metrics" in update:
-            _check_same_length(cb, self.state["last_metrics"], update["last_metrics"])
         if update.keys() & _SWAPPABLE:
             update = self._swap(cb, event, dict(update))
         if "record" in update:  # added to the record, not replacing it
@@ -732,6 +794,9 @@ class CallbackHandler:
         self, n_epochs: int | None, max_steps: int | None = None, **state: Any
     ) -> None:
         self.state.update(state, n_epochs=n_epochs, max_steps=max_steps)
+        self._begun, self.state["train"] = True, False
+        given = ("model", "opt", "data", "loss_func")
+        self._not_given = [k for k in given if self.state[k] is None]
         # What validation runs: the model as given, not a wrapper of it (DDP).
         self.eval_model = self.state["model"]
         self.state.update(stop_training=False, n_steps=max_steps)
@@ -739,7 +804,15 @@ class CallbackHandler:
         self._record_step = any(
             getattr(cb, "validates_mid_epoch", False) for cb in self.callbacks
         )
-        self.tally = self.state["tally"] = EpochTally(self.state["train_metrics"])
+        # The model's class dims (its first batch decides them; a resume or
+        # a later evaluation reads them); on_train_end puts back the outer
+        # ones (an evaluation inside a fit_snapshots loop).
+        model = self.state["model"]
+        dims = {} if model is None else class_dims_of(unwrap(model))
+        self._outer_class_dims = swap_class_dims(dims)
+        self.tally = self.state["tally"] = EpochTally(
+            self.state["train_metrics"], self.state.get("loss_func")
+        )
         self.tally.declare_parts(getattr(self.state.get("loss_func"), "part_names", ()))
         self.count = loss_count(self.state.get("loss_func"))
         try:
@@ -752,6 +825,7 @@ class CallbackHandler:
 
     def on_epoch_begin(self) -> bool:
         """Returns True when no epoch must start (``stop_training`` is set)."""
+        self._check_begun("on_epoch_begin")
         # train=True: the epoch's training batches keep a num_batch that a
         # hook sets here (a checkpoint resuming part way through the epoch).
         self.state.update(num_batch=0, stop_epoch=False, skip_validate=False)
@@ -765,6 +839,7 @@ class CallbackHandler:
     def on_batch_begin(self, xb: Any, yb: Any, train: bool = True) -> tuple:
         state = self.state
         if train is not state["train"]:  # a new loader: validation after training
+            self._check_begun("on_batch_begin")
             state["num_batch"], state["stop_epoch"] = 0, False
         state["last_input"], state["last_target"], state["train"] = xb, yb, train
         if train:
@@ -870,6 +945,7 @@ class CallbackHandler:
         that ends at a validation inside it (``validate_now``); None at the
         epoch's end.
         """
+        self._check_begun("on_epoch_end")
         state = self.state
         mid_epoch = state["mid_epoch"] = num_batch is not None
         if mid_epoch:  # the epoch's training goes on (validation counted its own)
@@ -905,6 +981,7 @@ class CallbackHandler:
         failed: then it becomes a note on that exception, which propagates.
         """
         self._graph = None  # the last step's (see on_batch_end)
+        swap_class_dims(getattr(self, "_outer_class_dims", None))
         failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:

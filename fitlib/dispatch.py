@@ -14,6 +14,8 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
+from fitlib.errors import did_you_mean
+
 
 def hook_caller(
     hook: Callable, where: str, valid: tuple[str, ...]
@@ -76,7 +78,7 @@ def _check_params(
                 "**kwargs)."
             )
     unknown = [
-        p.name
+        f"{p.name!r}{did_you_mean(p.name, valid)}"
         for p in params
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
         and p.name not in valid
@@ -84,7 +86,7 @@ def _check_params(
     ]
     if unknown:
         raise TypeError(
-            f"{where} requires parameter(s) {', '.join(map(repr, unknown))}, which "
+            f"{where} requires parameter(s) {', '.join(unknown)}, which "
             "no state key matches, so nothing would ever be passed to them. "
             f"Parameters take the state keys' names: {', '.join(valid)}. "
             "Fix: rename them; add **kwargs to receive every key."

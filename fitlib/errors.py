@@ -5,7 +5,9 @@ The bottom layer: every module may import it; it imports only torch.
 
 from __future__ import annotations
 
+import difflib
 import numbers
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import torch
@@ -81,3 +83,44 @@ def is_number(x: Any) -> bool:
     """A real number (int, float, numpy's), not a bool: what numeric arguments
     are checked with."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def did_you_mean(name: Any, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``name``, or ``""``.
+
+    The one wording of every check of a name (monitors, state keys, hooks,
+    record names): put it right after the name that was not found.
+
+    Example:
+        >>> did_you_mean("valid_los", ["valid_loss", "accuracy"])
+        " (did you mean 'valid_loss'?)"
+    """
+    close = closest(name, choices, cutoff)
+    return "" if close is None else f" (did you mean {close!r}?)"
+
+
+def closest(name: Any, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice closest to ``name`` (``difflib``'s ratio >= ``cutoff``), or
+    None: what ``did_you_mean`` names."""
+    if not isinstance(name, str):
+        return None
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def unknown_name(
+    owner: str, what: str, name: Any, choices: Iterable[str], fix: str
+) -> str:
+    """The message for a ``name`` that is not among ``choices``: the owner,
+    the name, the close one (``did_you_mean``), the choices and the fix.
+
+    Example:
+        >>> unknown_name("f", "event", "on_epochend", ["on_epoch_end"], "rename it.")
+        "f: unknown event 'on_epochend' (did you mean 'on_epoch_end'?); the events
+        are 'on_epoch_end'. Fix: rename it."
+    """
+    choices = list(choices)
+    return (
+        f"{owner}: unknown {what} {name!r}{did_you_mean(name, choices)}; the "
+        f"{what}s are {', '.join(map(repr, choices))}. Fix: {fix}"
+    )

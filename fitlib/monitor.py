@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any
 
-from fitlib.errors import is_number
+from fitlib.errors import closest, did_you_mean, is_number
 
 MODES = ("auto", "min", "max")
 LOSSES = ("valid_loss", "train_loss")
@@ -35,6 +35,7 @@ _UP = frozenset({
     "bleu", "rouge", "psnr", "ssim", "ndcg", "explained",
 })  # fmt: skip
 _F_SCORE = re.compile(r"f\d+(\.\d+)?")  # f1, f2, f0.5: FBeta's names
+_WORDS = sorted(_DOWN | _UP)
 
 
 def direction(name: str) -> str | None:
@@ -102,14 +103,18 @@ class Monitor:
         data: Any = None,
         train_metrics: Any = None,
         callbacks: Any = (),
+        loss_func: Any = None,
     ) -> None:
         """Checks, before training, that the value will be in the record.
 
         The names known before training are the losses, the metrics, the
-        training metrics (``train_<name>``) and the values the ``callbacks``
-        declare (``record_names``). A name outside them that could be a loss
-        part (``train_<part>``, ``valid_<part>``: known at the first batch)
-        is checked at the first epoch's end instead.
+        training metrics (``train_<name>``), the values the ``callbacks``
+        declare (``record_names``) and the parts ``loss_func`` declares
+        (``part_names``: ``train_<part>``, ``valid_<part>``). A name outside
+        them that could be a part of a loss that declares none (``train_...``,
+        ``valid_...``: known at the first batch) is checked at the first
+        epoch's end instead, unless it is close to a known name without
+        extending it (a typo: ``valid_los``; ``valid_loss2`` may be a part).
 
         Raises a ValueError listing the names that exist when it does not,
         or when ``data`` has no ``valid_dl`` to compute a validation value on.
@@ -117,8 +122,10 @@ class Monitor:
         metric_names = list(getattr(metrics, "names", None) or [])
         train_names = getattr(train_metrics, "names", None) or []
         declared = [n for cb in callbacks or () for n in cb.record_names]
+        parts = getattr(loss_func, "part_names", None)
+        part_names = [f"{w}_{p}" for p in parts or () for w in ("train", "valid")]
         names = [*LOSSES, *metric_names, *(f"train_{n}" for n in train_names)]
-        self._known = [*names, *declared]
+        self._known = [*names, *part_names, *declared]
         known = [*self._known, "lr", "time"]  # in the record too, rarely watched
         bare = self.name.removeprefix("train_")
         if bare != self.name and bare in metric_names and bare not in train_names:
@@ -127,13 +134,16 @@ class Monitor:
                 f"{bare!r} is computed on the validation set only. Fix: add it "
                 f"to train_metrics=[...] (Learner or fit), or monitor={bare!r}."
             )
-        part = self.name.startswith(("train_", "valid_"))
-        if self.name not in known and not part:
+        part = self.name.startswith(("train_", "valid_")) and parts is None
+        slip = _slip(self.name, known) if part else None
+        hint = did_you_mean(self.name, [slip] if slip else known, 0 if slip else 0.6)
+        if self.name not in known and (slip or not part):
             raise ValueError(
                 f"{self.owner}: monitor={self.name!r} is not computed in this "
-                f"fit; the names that exist are {self._known}. Fix: pass one of "
-                "them, or add the metric to metrics=[...] (or train_metrics=[...]"
-                "); a callback that adds a value lists it in its record_names."
+                f"fit{hint}; the names that exist are {self._known}. Fix: pass "
+                "one of them, or add the metric to metrics=[...] (or "
+                "train_metrics=[...]); a callback that adds a value lists it in "
+                "its record_names, a loss that returns a dict its part_names."
             )
         validated = self.name in ("valid_loss", *metric_names)
         if (validated or self.name.startswith("valid_")) and _lacks_validation(data):
@@ -149,9 +159,11 @@ class Monitor:
         if record is None:
             return None
         if self.name not in record:
+            names = _values(record)
             raise ValueError(
                 f"{self.owner}: monitor={self.name!r} is not in the epoch's "
-                f"record; the names that exist are {_values(record)}. Fix: pass "
+                f"record{did_you_mean(self.name, names)}; the names that exist "
+                f"are {names}. Fix: pass "
                 "one of them (a loss part is reported as train_<part> and "
                 "valid_<part> when loss_func returns a dict)."
             )
@@ -206,6 +218,14 @@ class Monitor:
         if mode != "auto":
             return mode
         found = direction(self.name)
+        respelt = _respelt(self.name) if found is None else None
+        if respelt is not None:  # a typo: the fix is the name, not mode=
+            raise ValueError(
+                f"{self.owner}: monitor={self.name!r} is not a name mode='auto' "
+                f"knows{did_you_mean(self.name, [respelt], cutoff=0)}. Fix: correct "
+                f"the name; if {self.name!r} is a value of yours, pass "
+                "mode='min' (lower is better) or mode='max'."
+            )
         if found is None:
             raise ValueError(
                 f"{self.owner}: mode='auto' cannot tell whether {self.name!r} "
@@ -213,6 +233,38 @@ class Monitor:
                 "f-scores, r2, ...). Fix: pass mode='min' or mode='max'."
             )
         return found
+
+
+def _respelt(name: str) -> str | None:
+    """``name`` with one misspelt word put right (``valid_los``: ``valid_loss``)
+    when that tells its direction, else None (a name of the user's own)."""
+    words = re.split(r"([^a-zA-Z]+)", name)  # the separators kept, odd indices
+    for i in range(0, len(words), 2):
+        word = closest(words[i].lower(), _WORDS, cutoff=0.8)
+        fixed = "".join([*words[:i], word or "", *words[i + 1 :]])
+        if word and word != words[i].lower() and direction(fixed) is not None:
+            return fixed
+    return None
+
+
+def _slip(name: str, known: list[str]) -> str | None:
+    """The known name that a ``train_...``/``valid_...`` name (maybe a loss
+    part, known only at the first batch) is one slip of the keys away from:
+    ``valid_los`` is ``valid_loss``, ``valid_ce`` is a part. A name that
+    extends a known one (``valid_loss2``, ``valid_rmse`` beside ``mse``) may
+    be a part too: only shorter or as long close names are slips."""
+    prefix, _, rest = name.partition("_")
+    train = prefix == "train"  # else valid: its names are the unprefixed ones too
+    tails = {k.removeprefix(f"{prefix}_"): k for k in known
+             if k.startswith("train_") == train}  # fmt: skip
+    match = closest(rest, tails, cutoff=0.8)
+    return None if match is None or _extends(rest, match) else tails[match]
+
+
+def _extends(name: str, known: str) -> bool:
+    """Whether ``name`` is ``known`` with characters inserted or appended."""
+    chars = iter(name)
+    return len(name) > len(known) and all(c in chars for c in known)
 
 
 def _check_name(monitor: Any, owner: str) -> str:

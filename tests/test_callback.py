@@ -6,9 +6,14 @@ import torch
 from helpers import clone_params, make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
-from fitlib import Callback, CallbackHandler, HPOptimizer, fit
-from fitlib.callback import EVENTS, STATE_KEYS, call_hook
-from fitlib.callbacks import Recorder
+from fitlib import Callback, CallbackHandler, HPOptimizer, fit, loss_batch, validate
+from fitlib.callback import EVENTS, STATE_KEYS, WRITABLE, call_hook
+from fitlib.callbacks import (
+    GradientAccumulation,
+    GradientClipping,
+    MixedPrecision,
+    Recorder,
+)
 
 
 def run(callbacks, epochs=1, data=None, model=None, lr=0.1):
@@ -353,6 +358,7 @@ class ReadsSmoothLoss(Callback):
 
 def test_smooth_loss_is_the_debiased_moving_average_of_training_losses():
     handler = CallbackHandler([ReadsSmoothLoss()])
+    handler.on_train_begin(1)
     losses = [2.0, 1.0, 4.0, 0.5, 3.0]
     avg, expected = 0.0, []
     for n, value in enumerate(losses, start=1):
@@ -708,26 +714,38 @@ def test_keys_where_they_take_effect_are_accepted():
     class Watch(Callback):
         order = 5
 
-        def on_epoch_end(self, last_metrics, epoch):
-            seen.append(float(last_metrics[0]))
+        def on_epoch_end(self, record, epoch):
+            seen.append(record["half_loss"])
 
     class Halve(Callback):
-        def on_epoch_end(self, last_metrics):
-            return {"last_metrics": [last_metrics[0] / 2, *last_metrics[1:]]}
+        record_names = ("half_loss",)
+
+        def on_epoch_end(self, record):
+            return {"record": {"half_loss": record["valid_loss"] / 2}}
 
     plain = Recorder()
     run([plain])
-    run([Halve(), Watch()])  # the same number of values: allowed
+    run([Halve(), Watch()])
     assert seen[0] == pytest.approx(plain.valid_losses[0] / 2)
 
 
-def test_a_longer_last_metrics_list_is_refused():
-    class AddMetric(Callback):
+@pytest.mark.parametrize("extra", [False, True])
+def test_last_metrics_returned_from_on_epoch_end_is_refused_naming_the_record(extra):
+    # Only later callbacks would see it: the record, history, monitors and
+    # loggers keep the values the loop computed.
+    class Halve(Callback):
         def on_epoch_end(self, last_metrics):
-            return {"last_metrics": [*last_metrics, torch.tensor(0.5)]}
+            more = [torch.tensor(0.5)] if extra else []
+            return {"last_metrics": [last_metrics[0] / 2, *last_metrics[1:], *more]}
 
-    with pytest.raises(ValueError, match=r"last_metrics with 2 value\(s\) where"):
-        run([AddMetric()])
+    match = (
+        r"Halve\.on_epoch_end returned 'last_metrics'.*existing values cannot be "
+        r"replaced.*add a value under a new name.*\{'record': .*record_names"
+    )
+    with pytest.raises(ValueError, match=match) as info:
+        run([Halve()])
+    assert "In on_epoch_end a hook may change: " in str(info.value)
+    assert "last_metrics" not in WRITABLE
 
 
 def test_a_value_returned_from_on_train_end_is_refused_and_the_others_still_end():
@@ -769,5 +787,77 @@ def test_a_hook_name_no_event_calls_is_a_type_error_naming_the_close_one():
         def on_epoch_ends(self, epoch):  # never called: a typo
             pass
 
-    with pytest.raises(TypeError, match=r"on_epoch_ends, .*did you mean on_epoch_end"):
+    with pytest.raises(TypeError, match=r"on_epoch_ends \(did you mean 'on_epoch_end'"):
         run([Typo()])
+
+
+def test_an_unknown_key_returned_by_a_hook_gets_the_close_key():
+    with pytest.raises(
+        ValueError, match=r"'stop_trainig' \(did you mean 'stop_training'"
+    ):
+        run([returning("on_epoch_end", {"stop_trainig": True})])
+
+
+# -- driving a handler by hand -----------------------------------------------------
+def drive(handler, batch_begin=True, epochs=1):
+    """A hand-written loop around ``handler``: the README's calls."""
+    data, model = make_data(), make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for _ in range(epochs):
+        handler.on_epoch_begin()
+        for xb, yb in data.train_dl:
+            if batch_begin:
+                xb, yb = handler.on_batch_begin(xb, yb)
+            handler.on_batch_end(loss_batch(model, xb, yb, F.cross_entropy, opt,
+                                            handler))  # fmt: skip
+    return model, opt, data
+
+
+HAND_DRIVEN = [
+    lambda: MixedPrecision(dtype=torch.bfloat16),
+    lambda: GradientClipping(1.0),
+    lambda: GradientAccumulation(2),
+    Recorder,
+]
+
+
+@pytest.mark.parametrize("make", HAND_DRIVEN)
+def test_a_handler_driven_without_on_train_begin_names_the_missing_call(make):
+    begin = r"call handler\.on_train_begin\(n_epochs, model=model, opt=opt, data="
+    with pytest.raises(RuntimeError, match=r"before on_train_begin.*" + begin):
+        drive(CallbackHandler([make()]))
+    data = make_data()
+    with pytest.raises(RuntimeError, match=r"on_batch_begin before on_train_begin"):
+        validate(
+            make_model(), data.valid_dl, F.cross_entropy, CallbackHandler([make()])
+        )
+    drive(CallbackHandler())  # no callbacks: nothing to set up, nothing refused
+
+
+def test_loss_batch_without_on_batch_begin_names_the_missing_call():
+    # Gradient accumulation divided by zero: it sizes its group there.
+    data, model = make_data(), make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    handler = CallbackHandler([GradientAccumulation(2)])
+    handler.on_train_begin(1, model=model, opt=opt, data=data)
+    with pytest.raises(RuntimeError, match=r"without on_batch_begin.*xb, yb = "
+                       r"handler\.on_batch_begin\(xb, yb\)"):  # fmt: skip
+        drive(handler, batch_begin=False)
+
+
+@pytest.mark.parametrize(("make", "given", "missing"), [
+    (lambda: MixedPrecision(dtype=torch.bfloat16), ("opt",), "model"),
+    (lambda: GradientClipping(1.0), ("opt",), "model"),
+    (lambda: GradientAccumulation(2), ("model", "opt"), "data"),
+])  # fmt: skip
+def test_a_hook_failing_on_a_key_on_train_begin_lacked_names_it(make, given, missing):
+    data, model = make_data(), make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    have = {"model": model, "opt": opt, "data": data}
+    handler = CallbackHandler([make()])
+    with pytest.raises(AttributeError) as info:
+        handler.on_train_begin(1, **{k: have[k] for k in given})
+        drive(handler)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"on_train_begin got no {missing}" in notes
+    assert "handler.on_train_begin(n_epochs, model=model, opt=opt, data=" in notes

@@ -35,6 +35,11 @@ def test_a_required_parameter_no_key_matches_is_named_in_the_error():
         hook_caller(lambda epochs, tag=1: None, "MyCb.on_epoch_end", KEYS)
 
 
+def test_a_parameter_close_to_a_key_gets_the_key_in_the_error():
+    with pytest.raises(TypeError, match=r"'epochs' \(did you mean 'epoch'\?\)"):
+        hook_caller(lambda epochs: None, "MyCb.on_epoch_end", KEYS)
+
+
 def positional_only(epoch, /):
     return epoch
 

@@ -60,3 +60,26 @@ def test_name_of_functions_partials_and_callable_objects():
     assert name_of(loss) == "loss"
     assert name_of(functools.partial(loss, y=1)) == "loss"
     assert name_of(Scaled()) == "Scaled"
+
+
+def test_did_you_mean_names_the_closest_choice_or_nothing():
+    from fitlib.errors import did_you_mean
+
+    choices = ["valid_loss", "train_loss", "accuracy"]
+    assert did_you_mean("valid_los", choices) == " (did you mean 'valid_loss'?)"
+    assert did_you_mean("accuracyy", iter(choices)) == " (did you mean 'accuracy'?)"
+    assert did_you_mean("score", choices) == ""
+    assert did_you_mean(3, choices) == ""  # not a str: nothing to compare
+
+
+def test_unknown_name_builds_one_message_with_the_choices_and_the_fix():
+    from fitlib.errors import unknown_name
+
+    events = ["on_epoch_end", "on_train_end"]
+    text = unknown_name(
+        "call_hook", "event", "on_epochend", events, "pass one of them."
+    )
+    assert text == (
+        "call_hook: unknown event 'on_epochend' (did you mean 'on_epoch_end'?); "
+        "the events are 'on_epoch_end', 'on_train_end'. Fix: pass one of them."
+    )

@@ -3,10 +3,20 @@ import math
 
 import pytest
 import torch
-from helpers import make_data, scripted_record
+from helpers import clone_params, make_data, make_model, scripted_record
+from torch.nn import functional as F  # noqa: N812
 
-from fitlib import DataBunch
-from fitlib.metrics import F1Score, FBeta, Metrics, R2Score, accuracy, error_rate
+from fitlib import DataBunch, HPOptimizer, fit
+from fitlib.callbacks import Checkpoint, EarlyStopping, ReduceLROnPlateau
+from fitlib.metrics import (
+    F1Score,
+    FBeta,
+    Metrics,
+    R2Score,
+    accuracy,
+    error_rate,
+    mse,
+)
 from fitlib.monitor import Monitor, direction
 
 
@@ -80,6 +90,64 @@ def test_an_unknown_monitor_raises_at_start_listing_the_names_that_exist():
     text = str(info.value)
     assert "['valid_loss', 'train_loss', 'accuracy', 'error_rate']" in text
     assert text.startswith("ReduceLROnPlateau")
+
+
+def test_a_typo_in_a_monitor_gets_the_close_name_not_a_mode_fix():
+    # mode="auto" cannot classify a typo: the fix is the name, not mode=.
+    with pytest.raises(ValueError, match=r"did you mean 'valid_loss'\?") as info:
+        Monitor("valid_los", owner="EarlyStopping")
+    assert str(info.value).startswith("EarlyStopping: monitor='valid_los'")
+    with pytest.raises(ValueError, match=r"did you mean 'top_k_accuracy'\?"):
+        Monitor("top_k_acuracy")
+    with pytest.raises(ValueError, match=r"'score'.*mode='min' or mode='max'") as info:
+        Monitor("score")  # no close name: a value of the user's
+    assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["valid_los", "acuracy", "train_acuracy", "valid_accuracz", "train_acucracy"],
+)
+def test_a_typo_is_refused_at_start_with_the_close_name_also_for_prefixed_names(name):
+    # valid_/train_ names could be loss parts (known at the first batch), but
+    # one shorter than a close known name, or as long (a letter changed or
+    # two swapped), is a typo: refused before training.
+    m = Monitor(name, mode="min", owner="EarlyStopping")
+    with pytest.raises(ValueError, match=r"not computed in this fit \(did you mean"):
+        m.start(Metrics([accuracy]), train_metrics=Metrics([accuracy]))
+
+
+@pytest.mark.parametrize("name", ["valid_loss2", "train_loss1", "valid_rmse"])
+def test_a_name_extending_a_known_one_may_be_a_part_checked_at_the_first_record(
+    name,
+):
+    # A loss returning a dict without part_names: "loss2" or "rmse" extends
+    # "loss" or "mse" and is a legit part name, known at the first batch.
+    m = started(name, [mse], mode="min")
+    record = {"epoch": 0, "train_loss": 1.0, "valid_loss": 0.5, name: 0.25}
+    assert m.read(record) == 0.25
+    del record[name]
+    with pytest.raises(ValueError, match=rf"{name}.*not in the epoch's record"):
+        m.read(record)
+
+
+def test_a_loss_part_is_checked_at_start_when_the_loss_declares_its_parts():
+    def loss(out, y):
+        return {"loss": out.sum(), "ce": out.sum()}
+
+    loss.part_names = ("ce", "box")
+    Monitor("valid_box", mode="min").start(Metrics([]), loss_func=loss)
+    with pytest.raises(ValueError, match=r"'valid_bx' is not computed .*valid_box"):
+        Monitor("valid_bx", mode="min").start(Metrics([]), loss_func=loss)
+    with pytest.raises(ValueError, match=r"'valid_size' is not computed"):
+        Monitor("valid_size", mode="min").start(Metrics([]), loss_func=loss)
+
+
+def test_a_monitor_missing_from_the_record_gets_the_close_name():
+    m = started("valid_cee", mode="min")  # a loss part, known at the first batch
+    record = {"epoch": 0, "valid_loss": 0.5, "valid_ce": 0.25, "time": 1.0}
+    with pytest.raises(ValueError, match=r"\(did you mean 'valid_ce'\?\)"):
+        m.read(record)
 
 
 def test_a_validation_value_without_a_valid_dl_raises_at_start():
@@ -189,3 +257,26 @@ def test_load_state_dict_refuses_the_state_of_another_quantity_or_a_bad_dict():
         Monitor("accuracy", mode="min").load_state_dict(state)
     with pytest.raises(ValueError, match="keys 'best', 'mode', 'monitor'"):
         Monitor("accuracy").load_state_dict({"best": 0.5})
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda tmp: ReduceLROnPlateau("valid_size", mode="min"),
+        lambda tmp: Checkpoint(tmp, monitor="valid_size", mode="min"),
+        lambda tmp: EarlyStopping("valid_size", mode="min"),
+    ],
+    ids=["ReduceLROnPlateau", "Checkpoint", "EarlyStopping"],
+)
+def test_every_monitor_knows_the_losss_declared_parts_before_training(make, tmp_path):
+    def loss(out, y):
+        ce = F.cross_entropy(out, y)
+        return {"loss": ce, "ce": ce}
+
+    loss.part_names = ("ce",)
+    model = make_model()
+    before = clone_params(model)
+    with pytest.raises(ValueError, match=r"'valid_size' is not computed"):
+        fit(1, model, loss, HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1),
+            make_data(), callbacks=[make(tmp_path)])  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

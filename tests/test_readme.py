@@ -160,3 +160,15 @@ def test_the_sam_recipe_equals_a_hand_written_sam_loop():
     for p, q, r in zip(m.parameters(), ref.parameters(), plain.parameters()):
         assert torch.equal(p, q)
         assert not torch.equal(p, r)  # SAM's step is not the plain one
+
+
+def test_the_hand_driven_loop_runs_as_written_and_trains():
+    section = README.read_text().split("Your own loop can drive callbacks too", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    handler = namespace["handler"]
+    assert [r["epoch"] for r in handler.history] == [0, 1, 2]
+    assert handler.state["step"] == 3 * 3  # 6 batches an epoch, in pairs
+    losses = [r["valid_loss"] for r in handler.history]
+    assert losses[-1] < losses[0]

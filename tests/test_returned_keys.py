@@ -256,3 +256,17 @@ def test_a_model_swapped_without_an_optimizer_for_it_is_refused():
     with pytest.raises(ValueError, match="none of which is a trainable parameter"):
         fit(2, m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1),
             DataBunch(loader()), callbacks=[Swap("model", other)])  # fmt: skip
+
+
+def test_an_undeclared_record_name_close_to_a_declared_one_gets_it():
+    class GradNorm(Callback):
+        record_names = ("grad_norm",)
+
+        def on_epoch_end(self):
+            return {"record": {"gradnorm": 1.0}}
+
+    m = model()
+    opt = HPOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    close = r"'gradnorm' \(did you mean 'grad_norm'\?\) to the epoch record"
+    with pytest.raises(ValueError, match=close):
+        fit(1, m, F.cross_entropy, opt, DataBunch(loader(), loader(32)), [GradNorm()])

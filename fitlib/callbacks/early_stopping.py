@@ -27,17 +27,25 @@ _STEP_KEYS = ("best_step", "stopped_step")
 class EarlyStopping(Callback):
     """Stops training when ``monitor`` has not improved for too many epochs.
 
-    After each epoch that has a value (from ``start_from_epoch`` on), the
-    epoch is *bad* when the value does not beat the best so far by more than
-    ``min_delta``, or, with a ``baseline``, does not beat the baseline by
-    more than ``min_delta`` either; any other epoch resets the count. Training
-    stops after the epoch that makes the count exceed ``patience``: with
-    ``patience=0`` at the first bad epoch, with ``patience=2`` at the third
-    in a row. So with a baseline, training stops unless the value beats it
-    within ``patience + 1`` counted epochs. (Keras stops once the count
-    reaches ``patience``; here, as in ``ReduceLROnPlateau``, it must exceed it.)
+    The rule of Keras 3, Lightning, Ignite and fastai 2. After each epoch
+    that has a value (from ``start_from_epoch`` on), the epoch is *bad* when
+    the value does not beat the best so far by more than ``min_delta``, or,
+    with a ``baseline``, does not beat the baseline by more than
+    ``min_delta`` either; an epoch that beats both resets the count.
+    Training stops after a bad epoch that does not improve on the best once
+    the count *reaches* ``patience``: with ``patience=0`` or ``1`` at the
+    first epoch that does not improve, with ``patience=2`` at the second in
+    a row. With a baseline the count runs from the first counted epoch, so
+    training stops unless the value beats the baseline within ``patience``
+    epochs; an epoch that still improves on the best never stops it (as in
+    Keras). (Earlier fitlib versions waited for the count to *exceed*
+    ``patience``, fastai v1's rule: one epoch more. ``ReduceLROnPlateau``
+    keeps torch's rule.)
     NaN is never an improvement; an epoch in which the value was not
-    computed (None in the record: validation skipped) is not counted.
+    computed (None in the record: validation skipped) is not counted. A
+    NaN at the first epoch counts too: with ``patience=0`` or ``1`` training
+    stops after epoch 0, where Keras (which never stops at epoch 0) goes
+    on; use ``start_from_epoch=1`` to leave the first epoch out.
 
     The best value (``monitor.best``) and its epoch track the best value seen,
     also below the baseline. A fit that starts at ``iteration == 0`` resets
@@ -47,13 +55,14 @@ class EarlyStopping(Callback):
 
     With validations inside epochs (``ValidationSchedule(every_n_steps=...)``)
     each record with a value counts, so ``patience`` is in validations, and
-    training stops right after the validation that exceeds it; ``best_step``
+    training stops right after the validation that reaches it; ``best_step``
     and ``stopped_step`` say where in the epoch.
 
     Args:
         monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
         min_delta: the least change that counts as an improvement (>= 0).
-        patience: bad epochs in a row tolerated before stopping (>= 0).
+        patience: the bad epochs in a row that stop training (>= 0; 0 and 1
+            both stop at the first epoch that does not improve).
         mode: ``"min"``, ``"max"`` or ``"auto"`` (losses and error rates go
             down; accuracy, f-scores and r2 go up).
         baseline: a value to beat, or None.
@@ -64,7 +73,8 @@ class EarlyStopping(Callback):
             (a warm-up during which no improvement is expected).
 
     Attributes:
-        wait: the bad epochs in a row so far.
+        wait: the bad epochs in a row so far (with a baseline: the counted
+            epochs since a value last beat both the best and the baseline).
         best_epoch: the epoch of the best value, or None.
         stopped_epoch: the epoch after which it stopped training, or None.
         best_step, stopped_step: the steps of those records, when records
@@ -128,9 +138,10 @@ class EarlyStopping(Callback):
         data: Any,
         train_metrics: Any,
         callbacks: list,
+        loss_func: Any,
     ) -> None:
         """Runs before training: checks the monitor; a new fit resets."""
-        self.monitor.start(metrics, data, train_metrics, callbacks)
+        self.monitor.start(metrics, data, train_metrics, callbacks, loss_func)
         if iteration == 0:
             self.reset()
         self._stopped_now = False
@@ -164,17 +175,16 @@ class EarlyStopping(Callback):
     def step(self, value: float, epoch: int, model: torch.nn.Module | None) -> bool:
         """Takes one counted record's ``value`` into account; True to stop."""
         at_step = getattr(self, "_at_step", None)  # the record's, inside epochs
-        improved = self.monitor.update(value)
-        if improved:
+        self.wait += 1
+        if self.monitor.update(value):
             self.best_epoch, self.best_step = epoch, at_step
             if self.restore_best and model is not None:
                 # (a sharded model: gathered on rank 0, all ranks take part)
                 self.best_weights = host_copy(model_state(model))
-        if improved and self._beats_baseline(value):
-            self.wait = 0
-            return False
-        self.wait += 1
-        if self.wait <= self.patience:
+            if self._beats_baseline(value):
+                self.wait = 0
+            return False  # still improving: no stop, even below the baseline
+        if self.wait < self.patience:
             return False
         self.stopped_epoch, self.stopped_step = epoch, at_step
         self._stopped_now = True

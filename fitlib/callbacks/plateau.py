@@ -110,9 +110,10 @@ class ReduceLROnPlateau(Callback):
         data: Any,
         train_metrics: Any,
         callbacks: list,
+        loss_func: Any,
     ) -> None:
         """Runs before training: checks the monitor and min_lr; a new fit resets."""
-        self.monitor.start(metrics, data, train_metrics, callbacks)
+        self.monitor.start(metrics, data, train_metrics, callbacks, loss_func)
         self._min_lrs(len(opt.param_groups))  # raises now, not at the 1st reduction
         if iteration == 0:  # a resumed fit keeps what load_state_dict restored
             self.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from fitlib.callback import Callback
@@ -81,13 +82,36 @@ class ValidationSchedule(Callback):
             )
         self.validates_mid_epoch = every_n_steps is not None
 
-    def on_train_begin(self, data: Any) -> None:
-        """Runs before training: checks there is something to validate on."""
+    def on_train_begin(self, data: Any, callbacks: list, n_epochs: int | None) -> None:
+        """Runs before training: checks there is something to validate on,
+        one schedule, and (else a warning) epochs from ``start_epoch`` on in
+        the fit."""
         if getattr(data, "valid_dl", None) is None:
             raise ValueError(
                 f"{self.name}: data.valid_dl is None, so there is nothing to "
                 "validate on. Fix: give the data a valid_dl (DataBunch(train_dl, "
                 f"valid_dl)), or leave {self.name} out."
+            )
+        schedules = [c for c in map(_inner, callbacks)
+                     if isinstance(c, ValidationSchedule)]  # fmt: skip
+        if len(schedules) > 1:
+            raise ValueError(
+                f"{' and '.join(map(repr, schedules))}: two schedules in one "
+                "fit, where each skips the validations the other does not ask "
+                "for, so one silently cancels the other's. Fix: merge them into "
+                "one ValidationSchedule (it takes every_n_epochs, every_n_steps "
+                "and start_epoch together)."
+            )
+        if n_epochs is not None and self.start_epoch >= n_epochs:
+            # A warning: a schedule kept for a longer fit still validates
+            # after this fit's last epoch.
+            warnings.warn(
+                f"{self!r}: start_epoch={self.start_epoch} is past a fit of "
+                f"{n_epochs} epoch(s) (epochs count from 0), so it validates "
+                "only after the last epoch. Fix: a start_epoch below "
+                f"{n_epochs}, or more epochs, if you want more validations.",
+                UserWarning,
+                stacklevel=2,
             )
 
     def on_epoch_begin(self, epoch: int, n_epochs: int | None) -> dict | None:
@@ -116,3 +140,8 @@ class ValidationSchedule(Callback):
             f"{self.name}(every_n_epochs={self.every_n_epochs}, every_n_steps="
             f"{self.every_n_steps}, start_epoch={self.start_epoch})"
         )
+
+
+def _inner(cb: Callback) -> Callback:
+    """The callback a filter (``every``, ``once``) wraps, or ``cb``."""
+    return getattr(cb, "callback", cb)

@@ -40,8 +40,41 @@ def scripted(values, **kwargs):
 
 
 # -- the rule --------------------------------------------------------------------
-@pytest.mark.parametrize(("patience", "stops_at"), [(0, 2), (1, 3), (2, 4), (3, None)])
-def test_stops_after_more_than_patience_epochs_without_improvement(patience, stops_at):
+# Scripted sequences from Keras 3's and Lightning's own early-stopping tests
+# (values per epoch -> the epoch after which training stops, 0-based, and the
+# best epoch): the same rule as theirs, the count of epochs without
+# improvement *reaching* patience. (source, values, patience, baseline, stop, best)
+PEERS = [
+    ("keras p0", [10, 9, 8, 9, 8.9, 8.8, 8.7, 8.6, 8.5], 0, None, 3, 2),
+    ("keras p1", [10, 9, 8, 9, 8.9, 8.8, 8.7, 8.6, 8.5], 1, None, 3, 2),
+    ("keras p2", [10, 9, 8, 9, 8.9, 8.8, 8.7, 8.6, 8.5], 2, None, 4, 2),
+    ("keras p3", [10, 9, 8, 9, 8.9, 8.8, 8.7, 8.6, 8.5], 3, None, 5, 2),
+    ("keras restore", [0.2, 0.15, 0.1, 0.11, 0.12], 2, None, 4, 2),
+    # No value beats the baseline: patience counts from the first epoch.
+    ("keras baseline", [0.9, 0.8, 0.7, 0.71, 0.72, 0.73], 5, 0.5, 4, 2),
+    ("lightning flat", [6, 5, 5, 5, 5, 5], 3, None, 4, 1),
+    ("lightning p1", [6, 5, 4, 4, 3, 3], 1, None, 3, 2),
+    ("lightning bump", [6, 5, 6, 5, 5, 5], 3, None, 4, 1),
+    ("lightning thresholds", [8, 4, 2, 3, 4, 5, 8, 10], 3, None, 5, 2),
+    ("lightning multiple", [8, 4, 2, 3, 4, 5, 8, 10], 1, None, 3, 2),
+    ("lightning constant", [0, 0, 0, 0, 0, 0], 3, None, 3, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("values", "patience", "baseline", "stop", "best"),
+    [case[1:] for case in PEERS],
+    ids=[case[0] for case in PEERS],
+)
+def test_stops_where_keras_and_lightning_stop(values, patience, baseline, stop, best):
+    stops, cb = scripted([float(v) for v in values], patience=patience,
+                         baseline=baseline)  # fmt: skip
+    assert stops == [stop] and cb.stopped_epoch == stop
+    assert cb.best_epoch == best
+
+
+@pytest.mark.parametrize(("patience", "stops_at"), [(0, 2), (1, 2), (2, 3), (3, 4)])
+def test_stops_when_the_epochs_without_improvement_reach_patience(patience, stops_at):
     # 1.0 and 0.8 improve, then three epochs without improvement.
     stops, cb = scripted([1.0, 0.8, 0.8, 0.9, 0.85], patience=patience)
     assert stops == ([] if stops_at is None else [stops_at])
@@ -51,13 +84,13 @@ def test_stops_after_more_than_patience_epochs_without_improvement(patience, sto
 
 def test_an_improvement_resets_the_count_of_bad_epochs():
     # Bad, improved, bad, improved, bad: never two bad epochs in a row.
-    stops, cb = scripted([1.0, 1.1, 0.9, 1.0, 0.85, 0.9], patience=1)
+    stops, cb = scripted([1.0, 1.1, 0.9, 1.0, 0.85, 0.9], patience=2)
     assert stops == [] and cb.wait == 1
     assert feed(cb, [0.99], first_epoch=6) == [6]
 
 
 def test_an_improvement_smaller_than_min_delta_is_a_bad_epoch():
-    stops, cb = scripted([1.0, 0.96, 0.97, 0.5], min_delta=0.05, patience=1)
+    stops, cb = scripted([1.0, 0.96, 0.97, 0.5], min_delta=0.05, patience=2)
     # 0.96 and 0.97 are not more than 0.05 better than 1.0: two bad epochs.
     assert stops == [2] and cb.monitor.best == 1.0 and cb.best_epoch == 0
     stops, cb = scripted([1.0, 0.94, 0.97], min_delta=0.05, patience=0)
@@ -90,18 +123,36 @@ def test_auto_mode_knows_which_way_metrics_improve(monitor, values, stops):
 
 def test_nan_is_a_bad_epoch_and_skipped_validation_is_not_counted():
     stops, cb = scripted([1.0, None, None, math.nan, None, 0.5, math.nan],
-                         patience=1)  # fmt: skip
+                         patience=2)  # fmt: skip
     assert stops == [] and cb.wait == 1 and cb.best_epoch == 5
     assert feed(cb, [math.nan], first_epoch=7) == [7]
 
 
+@pytest.mark.parametrize("patience", [0, 1])
+def test_a_nan_at_the_first_epoch_stops_there_where_keras_goes_on(patience):
+    # Keras guards its stop with epoch > 0; fitlib counts epoch 0 as any
+    # other (documented in the docstring and the README).
+    stops, cb = scripted([math.nan, 1.0, 0.5], patience=patience)
+    assert stops == [0] and cb.stopped_epoch == 0 and cb.best_epoch is None
+    assert "NaN at the first epoch" in EarlyStopping.__doc__
+
+
 def test_with_a_baseline_it_stops_unless_the_value_beats_it_within_patience():
-    stops, cb = scripted([0.9, 0.8, 0.7, 0.6], baseline=0.5, patience=2)
-    # Each epoch improves, but none beats the baseline: the 3rd counted stops.
-    assert stops == [2]
+    stops, cb = scripted([0.9, 0.8, 0.7, 0.71], baseline=0.5, patience=3)
+    # None beats the baseline: every epoch counts, from the first; the 4th
+    # epoch reaches patience=3 and does not improve: it stops (as Keras).
+    assert stops == [3] and cb.wait == 4
     assert cb.monitor.best == 0.7 and cb.best_epoch == 2  # the best seen
-    stops, cb = scripted([0.9, 0.8, 0.4, 0.45, 0.45], baseline=0.5, patience=2)
+    stops, cb = scripted([0.9, 0.8, 0.4, 0.45, 0.45], baseline=0.5, patience=3)
     assert stops == [] and cb.wait == 2  # 0.4 beat it: counting starts again
+
+
+def test_with_a_baseline_an_epoch_that_improves_on_the_best_never_stops():
+    # As Keras: the count grows (no value beats the baseline), but training
+    # goes on while the value still improves; the first epoch that does not
+    # stops it.
+    stops, cb = scripted([0.9, 0.8, 0.7, 0.6, 0.55, 0.56], baseline=0.5, patience=1)
+    assert stops == [5] and cb.wait == 6
 
 
 def test_a_value_that_beats_the_baseline_but_not_the_best_is_a_bad_epoch():
@@ -131,7 +182,7 @@ def test_the_best_weights_are_copied_at_improving_epochs_only():
 
 def test_prints_one_line_with_the_epoch_and_the_best_value_when_it_stops(capsys):
     model = torch.nn.Linear(2, 1)
-    cb = EarlyStopping(patience=1, restore_best=True)
+    cb = EarlyStopping(patience=2, restore_best=True)
     begin(cb)
     feed(cb, [1.0, 0.25, 0.5, 0.5], model=model)
     assert capsys.readouterr().out == ""  # printed at the end, after the table
@@ -154,7 +205,7 @@ def test_nothing_is_printed_when_training_ends_without_a_stop(capsys):
 def test_the_baseline_message_says_it_was_not_beaten(capsys):
     cb = EarlyStopping(baseline=0.5)
     begin(cb)
-    feed(cb, [0.9])
+    assert feed(cb, [0.9, 0.95]) == [1]
     call_hook(cb, "on_train_end", model=torch.nn.Linear(2, 1))
     assert "did not beat baseline=0.5" in capsys.readouterr().out
 
@@ -177,7 +228,7 @@ def test_state_dict_round_trip_and_a_resumed_run_decides_as_an_unbroken_one():
     resumed.load_state_dict(round_trip(cb.state_dict()))
     assert resumed.state_dict() == cb.state_dict()
     begin(resumed, iteration=28)  # a resumed fit keeps the loaded state
-    assert feed(resumed, values[4:], first_epoch=4) == unbroken == [6]
+    assert feed(resumed, values[4:], first_epoch=4) == unbroken == [5]
     assert resumed.best_epoch == 3 and resumed.monitor.best == 0.7
 
 
@@ -282,7 +333,7 @@ def train(callbacks, epochs=8, lr=0.5, metrics=()):
 
 
 def test_through_fit_it_stops_and_restores_the_best_epochs_weights(capsys):
-    stop, snaps = EarlyStopping(patience=1, restore_best=True), Snapshots()
+    stop, snaps = EarlyStopping(patience=2, restore_best=True), Snapshots()
     model = train([stop, snaps], epochs=30, lr=2.0)  # a large lr: it stalls
     assert stop.stopped_epoch is not None and stop.stopped_epoch < 29
     assert len(snaps.losses) == stop.stopped_epoch + 1  # no epoch after the stop
@@ -365,6 +416,24 @@ def test_through_fit_monitoring_accuracy_and_train_loss_works():
     tl = EarlyStopping("train_loss", patience=100)
     train([tl], epochs=3)
     assert tl.best_epoch is not None and math.isfinite(tl.monitor.best)
+
+
+def test_through_fit_a_typo_in_the_monitor_fails_before_any_batch():
+    class Batches(Callback):
+        n = 0
+
+        def on_batch_begin(self):
+            Batches.n += 1
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"did you mean 'valid_loss'\?"):
+        EarlyStopping("valid_los")
+    stop = EarlyStopping("valid_los", mode="min")
+    with pytest.raises(ValueError, match=r"'valid_los' is not computed in this fit "
+                       r"\(did you mean 'valid_loss'\?\)"):  # fmt: skip
+        fit(1, model, F.cross_entropy, opt, make_data(), [stop, Batches()])
+    assert Batches.n == 0
 
 
 def test_through_fit_an_unknown_monitor_fails_before_any_step():

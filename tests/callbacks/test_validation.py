@@ -229,7 +229,7 @@ def test_a_fit_stopped_inside_an_epoch_leaves_the_next_fit_a_new_epoch(tmp_path)
     rec, tb = Recorder(), TensorBoardLogger(tmp_path)
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False,
                     opt_func=torch.optim.SGD, callbacks=[rec, tb])  # fmt: skip
-    stop = EarlyStopping("score", mode="max", patience=1)
+    stop = EarlyStopping("score", mode="max", patience=2)
     learn.fit(3, lr=0.1, callbacks=[ValidationSchedule(every_n_steps=2),
                                     Score(lambda step: 1.0), stop])  # fmt: skip
     learn.fit(1, lr=0.1)  # stopped at step 6 of epoch 0: this is epoch 1
@@ -285,7 +285,7 @@ class Score(Callback):
 
 
 def test_early_stopping_counts_validations_and_stops_inside_the_epoch(capsys):
-    stop = EarlyStopping("score", mode="max", patience=1)
+    stop = EarlyStopping("score", mode="max", patience=2)
     history, spy = train(ValidationSchedule(every_n_steps=2), epochs=3,
                          callbacks=[Score(lambda step: 1.0), stop])  # fmt: skip
     # Best at step 2, no better at 4 and 6: the third validation stops it.
@@ -402,11 +402,39 @@ def test_a_fit_closed_while_a_validation_is_pending_resumes_with_it(tmp_path):
         ({"every_n_steps": 0}, "every_n_steps must be an int >= 1"),
         ({"start_epoch": -1}, "start_epoch must be an int >= 0"),
         ({"every_n_epochs": None}, "every_n_epochs=None, every_n_steps=None"),
+        ({"every_n_epochs": 1.5}, r"every_n_epochs must be an int .*1\.5 \(float\)"),
+        ({"every_n_steps": True}, r"every_n_steps must be an int .*True \(bool\)"),
+        ({"every_n_steps": "500"}, r"every_n_steps must be an int .*'500' \(str\)"),
+        ({"start_epoch": None}, r"start_epoch must be an int .*None \(NoneType\)"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         ValidationSchedule(**kwargs)
+    assert "Fix: " in str(info.value)
+
+
+def test_two_schedules_in_one_fit_are_refused_before_training_naming_both():
+    # One would cancel the other's validations (skip_validate): refused.
+    first = ValidationSchedule(every_n_epochs=2)
+    second = ValidationSchedule(every_n_steps=3)
+    model = make_model()
+    with pytest.raises(ValueError, match=r"ValidationSchedule\(every_n_epochs=2, "
+                       r".*ValidationSchedule\(every_n_epochs=1, every_n_steps=3.*"
+                       r"Fix: merge them into one") as info:  # fmt: skip
+        fit(3, model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+            make_data(), [first, Spy(), second])  # fmt: skip
+    assert "every_n_steps and start_epoch" in str(info.value)
+
+
+def test_a_start_epoch_past_the_fits_last_epoch_warns_and_validates_at_the_end():
+    # A schedule kept in learn.callbacks across fits of different lengths:
+    # the short fit still validates after its last epoch, with a warning.
+    with pytest.warns(UserWarning, match=r"start_epoch=3 .* fit of 3 epoch"):
+        history, _ = train(ValidationSchedule(start_epoch=3), epochs=3)
+    assert [r["valid_loss"] is not None for r in history] == [False, False, True]
+    history, _ = train(ValidationSchedule(start_epoch=2), epochs=3)
+    assert [r["valid_loss"] is not None for r in history] == [False, False, True]
 
 
 def test_data_without_a_validation_set_is_refused_before_training():
