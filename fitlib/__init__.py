@@ -5,6 +5,7 @@ from fitlib.callback import Callback, CallbackHandler
 from fitlib.core import DataBunch, fit, fit_states, loss_batch, validate
 from fitlib.core import iter_fit as iter_fit  # deprecated: the former fit_states
 from fitlib.gan import GANLoss, GANModule, GANOutput
+from fitlib.history import History
 from fitlib.interpret import ClassificationInterpretation
 from fitlib.learner import Learner
 from fitlib.multi_optimizer import MultiOptimizer
@@ -20,6 +21,7 @@ __all__ = [
     "GANModule",
     "GANOutput",
     "HPOptimizer",
+    "History",
     "Learner",
     "MultiOptimizer",
     "fit",

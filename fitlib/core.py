@@ -30,7 +30,8 @@ from fitlib.checks import (
     one_shot_note,
     regroup_fix,
 )
-from fitlib.errors import describe, name_of, reraise
+from fitlib.errors import ArgTypeError, describe, name_of, reraise
+from fitlib.history import History
 from fitlib.metrics import Metrics
 from fitlib.multi_optimizer import MultiOptimizer, as_optimizer
 from fitlib.optim import HPOptimizer
@@ -60,15 +61,16 @@ def fit(
     metrics: list | None = None,
     max_steps: int | None = None,
     train_metrics: list | None = None,
-) -> list[Record]:
+) -> History:
     """Trains ``model`` for ``epochs`` epochs, validating after each (or when
     a ``ValidationSchedule`` says).
 
-    Returns the run's history: the record of each epoch, and of each
-    validation inside one (a dict: ``epoch``,
+    Returns the run's history, a ``History``: the list of the records of
+    each epoch, and of each validation inside one (a dict: ``epoch``,
     ``train_loss``, ``valid_loss``, each metric by name, ``train_<metric>``,
     loss parts, values callbacks added, ``lr``, ``time``), as
-    ``state["record"]`` held it at the epoch's end.
+    ``state["record"]`` held it at the epoch's end; its repr is one line,
+    ``table()`` and ``plot()`` show every value.
 
     Args:
         epochs: number of epochs (a positive int), or None to train until
@@ -99,7 +101,7 @@ def fit(
         >>> history[-1]["accuracy"]
         0.93
     """
-    history: list[Record] = []
+    history = History()
     for _ in fit_states(
         epochs,
         model,
@@ -144,8 +146,8 @@ def fit_states(
         ...     if state["step"] % 10 == 0: print(state["step"])
     """
     opt = _start(epochs, max_steps, model, loss_func, opt, data)
-    metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
-    train_metrics = _as_metrics(train_metrics, "train_metrics")
+    metrics = as_metrics(metrics, "metrics")
+    train_metrics = as_metrics(train_metrics, "train_metrics")
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
     state["train_metrics"] = train_metrics
     cb_handler = CallbackHandler(callbacks)
@@ -220,13 +222,28 @@ def _end_record(cb_handler: CallbackHandler, batch_fn: Any, mid_epoch: bool) -> 
     return cb_handler.on_epoch_end(results, num_batch)
 
 
-def _as_metrics(metrics: Any, name: str) -> Metrics:
+def as_metrics(
+    metrics: Any, name: str, owner: str = "fit", attribute: bool = False
+) -> Metrics:
+    """``metrics`` (a list, or None) as a ``Metrics``; anything else is
+    refused naming the argument ``name`` of ``owner`` (``attribute``: set as
+    ``learn.<name>``, the fix says so)."""
     if isinstance(metrics, Metrics):
         return metrics
-    try:
-        return Metrics(metrics)
-    except TypeError as e:
-        raise TypeError(str(e).replace("metrics", name, 1)) from None
+    if metrics is not None and not isinstance(metrics, (list, tuple)):
+        one = name_of(metrics) if callable(metrics) else None
+        got = f"{one or repr(metrics)} ({type(metrics).__name__})"
+        listed = f"[{one or 'accuracy'}]"
+        fix = (
+            f"learn.{name} = {listed}"
+            if attribute
+            else f"{owner}(..., {name}={listed})"
+        )
+        raise ArgTypeError(
+            f"{owner}: {name} must be a list of metrics or None; got {got}. Fix: "
+            f"e.g. {fix} (a list, even of one metric)."
+        )
+    return Metrics(metrics)
 
 
 def iter_fit(*args: Any, **kwargs: Any) -> Iterator[dict]:
@@ -284,6 +301,11 @@ def loss_batch(
     if first:
         with loss_check(loss_func, out, as_tuple(yb)):
             loss = _compute_loss(loss_func, out, yb, cb_handler)
+        if opt is not None:  # probabilities read as logits: before any step
+            for key in ("metrics", "train_metrics"):
+                metrics = cb_handler.state.get(key)
+                if isinstance(metrics, Metrics) and metrics:
+                    metrics.check_probabilities(out, as_tuple(yb), loss_func)
     else:
         loss = _compute_loss(loss_func, out, yb, cb_handler)
     if opt is not None:
@@ -342,7 +364,7 @@ def validate(
             if metrics:
                 out = cb_handler.state["last_output"]
                 if cb_handler.first_batch("metrics"):
-                    metrics.check(out, as_tuple(yb))
+                    metrics.check(out, as_tuple(yb), loss_func)
                 metrics.update(out, as_tuple(yb))
             if cb_handler.on_batch_end(loss):
                 break
@@ -488,7 +510,7 @@ def batches(
     n = 0
     for batch in dl:
         if batch_fn is not None:
-            batch = _adapted(batch_fn, batch, name)
+            batch = _adapted(batch_fn, batch, name, first=n == 0)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             x, y = batch
         else:
@@ -510,8 +532,11 @@ def batches(
         )
 
 
-def _adapted(batch_fn: Callable[[Any], Any], batch: Any, name: str) -> Any:
-    """``batch_fn(batch)``, refused unless it is a batch fitlib takes."""
+def _adapted(
+    batch_fn: Callable[[Any], Any], batch: Any, name: str, first: bool = False
+) -> Any:
+    """``batch_fn(batch)``, refused unless it is a batch fitlib takes (and, at
+    the ``first`` batch of a loader, unless it holds arrays, not tensors)."""
     try:
         new = batch_fn(batch)
     except Exception as e:
@@ -525,7 +550,36 @@ def _adapted(batch_fn: Callable[[Any], Any], batch: Any, name: str) -> Any:
             "dict of inputs. "
             "Fix: e.g. return (batch.data[0], batch.label[0])."
         )
+    array = _first_array(new) if first else None
+    if array is not None:
+        kind = type(array).__name__
+        kind = "numpy arrays" if kind == "ndarray" else f"{kind} arrays"
+        shape = tuple(getattr(array, "shape", ()))
+        raise TypeError(
+            f"batch_fn {name_of(batch_fn)} returned {describe(new)} for a batch of "
+            f"{name}: {kind} (the first: shape {shape}, {getattr(array, 'dtype', '?')}"
+            "), where fitlib needs tensors (it moves them to the device; the "
+            "model and the loss take tensors). Fix: return tensors, e.g. "
+            "torch.as_tensor(a) for each array a (torch.from_numpy(a) shares "
+            "its memory)."
+        )
     return new
+
+
+def _first_array(x: Any) -> Any:
+    """The first array that is not a tensor (numpy's, or any with
+    ``__array__``) in a batch's tuples, lists and dicts; None if none."""
+    if isinstance(x, torch.Tensor):
+        return None
+    if hasattr(x, "__array__") and not isinstance(x, (str, bytes)):
+        return x
+    values = x.values() if isinstance(x, dict) else x
+    if isinstance(x, (tuple, list, dict)):
+        for v in values:
+            found = _first_array(v)
+            if found is not None:
+                return found
+    return None
 
 
 def unpaired(batch: Any, name: str = "dl") -> tuple[Any, Any]:

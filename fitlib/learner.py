@@ -37,13 +37,12 @@ from fitlib.callbacks.one_cycle import OneCycleScheduler, peak_lr
 from fitlib.callbacks.progress import ProgressBar, SweepBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
-from fitlib.checks import check_int, check_number
+from fitlib.checks import check_flag, check_int, check_number, check_path
 from fitlib.core import (
+    as_metrics,
     as_tuple,
-    call_model,
     check_data,
     check_model,
-    evaluating,
     first_tensor,
     fit,
     fit_states,
@@ -54,6 +53,7 @@ from fitlib.core import (
     validate,
 )
 from fitlib.errors import name_of
+from fitlib.history import History
 from fitlib.multi_optimizer import MultiOptimizer, check_part_names, spread_over_parts
 from fitlib.optim import (
     LR,
@@ -61,7 +61,8 @@ from fitlib.optim import (
     check_hyper,
     check_opt_func,
 )
-from fitlib.resume import give_states
+from fitlib.resume import give_states, not_a_file
+from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (
     atomic_save,
     check_model_state,
@@ -181,8 +182,11 @@ class Learner:
             self.model.to(data.device)
         self.metrics = _default_metrics(self.loss_func) if metrics is None else metrics
         self.train_metrics = [] if train_metrics is None else train_metrics
-        fm.Metrics(self.train_metrics)  # refused now, not at the first fit
-        self.opt_func = opt_func or _default("opt_func", torch.optim.AdamW)
+        for name in ("metrics", "train_metrics"):  # refused now, not at a fit
+            as_metrics(getattr(self, name), name, owner="Learner")
+        self.opt_func = (
+            _default("opt_func", torch.optim.AdamW) if opt_func is None else opt_func
+        )
         for func in _by_part(self.opt_func).values():
             check_opt_func(func)
         self.wd = _default("wd", 1e-2) if wd is None else wd
@@ -229,7 +233,7 @@ class Learner:
         wd: float | None = None,
         callbacks: Iterable[Callback] | Callback | None = None,
         max_steps: int | None = None,
-    ) -> list[dict]:
+    ) -> History:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps, the
         first reached; ``epochs=None`` trains until ``max_steps``) at ``lr``.
 
@@ -238,10 +242,11 @@ class Learner:
         the last, ``slice(hi)`` gives the last group ``hi`` and the others
         ``hi / 10``. None trains at 1e-3 and says so (``lr_find`` suggests one).
 
-        Returns this fit's history, one record per epoch (as ``fitlib.fit``);
-        ``learn.recorder.epoch_table()`` keeps those of every fit.
+        Returns this fit's ``History``, the list of its records, one per
+        epoch (as ``fitlib.fit``); ``learn.recorder.epoch_table()`` keeps
+        those of every fit.
         """
-        history: list[dict] = []
+        history = History()
         steps = self._fit_states(epochs, lr, wd, callbacks, max_steps, history=history)
         for _ in steps:
             pass
@@ -260,6 +265,8 @@ class Learner:
         """The loop (``fit_states``) over this Learner's model, data and
         callbacks. ``scheduled``: a scheduler among the callbacks sets the lr
         (``lr`` is then unused), so the optimizer's is left to it."""
+        metrics = self._metrics("metrics")  # (set as attributes after __init__)
+        train_metrics = self._metrics("train_metrics")
         if scheduled:
             self._opt_for_schedule(wd)
         else:
@@ -271,11 +278,16 @@ class Learner:
             self.opt,
             self.data,
             callbacks=self._callbacks(callbacks),
-            metrics=self.metrics,
+            metrics=metrics,
             max_steps=max_steps,
-            train_metrics=self.train_metrics,
+            train_metrics=train_metrics,
             history=history,
         )
+
+    def _metrics(self, name: str) -> fm.Metrics:
+        """``learn.metrics`` or ``learn.train_metrics``, checked again: they
+        may have been set after ``__init__`` (the fix says how)."""
+        return as_metrics(getattr(self, name), name, owner="Learner", attribute=True)
 
     def create_opt(
         self, lr: LR | None, wd: float | dict | None = None
@@ -388,11 +400,14 @@ class Learner:
     def validate(self, dl: Iterable | None = None) -> dict[str, float]:
         """Loss, metrics and loss parts (``valid_<part>``, for a loss that
         returns a dict) over ``dl`` (the validation set by default), read in
-        one host transfer."""
-        dl, handler, metrics = self._loader(dl), CallbackHandler(), fm.Metrics(
-            self.metrics)  # fmt: skip
-        batch_fn = getattr(self.data, "batch_fn", None)
-        values = validate(self.model, dl, self.loss_func, handler, metrics, batch_fn)
+        one host transfer. Like ``get_preds`` and ``predict`` it runs as a
+        fit's validation does, in the Learner's precision, memory format and
+        compilation (see ``Callback.in_evaluation``): on the same weights,
+        the values of the fit's last record, exactly."""
+        metrics = self._metrics("metrics")
+        values, handler = self._evaluate(
+            self._loader(dl), self.loss_func, metrics, batch_fn=self._batch_fn()
+        )
         record = handler.tally.record(0, values, metrics.names, math.nan)
         names = ["valid_loss", *metrics.names]
         names += [f"valid_{p}" for p in handler.tally.part_names]
@@ -414,14 +429,16 @@ class Learner:
         (the whole structure: pick a part first, e.g. ``lambda o: o[0]``).
         Targets are joined the same way: a tensor, or a tuple for several
         (``(x, (y1, y2))`` batches); None for batches of inputs only (a test
-        set without labels: no loss is computed).
+        set without labels: no loss is computed). The outputs are computed
+        in the Learner's precision (under autocast after ``to_bf16()``) and
+        returned in float32: float16 and bfloat16 tensors are cast (so
+        ``preds.numpy()`` works), before ``activation``.
         """
         collect = _Collect()  # validate is the one inference loop
-        validate(
-            self.model, self._loader(dl), _no_loss, CallbackHandler([collect]),
-            batch_fn=getattr(self.data, "batch_fn", None),
-        )  # fmt: skip
-        preds = join(collect.outputs)
+        self._evaluate(
+            self._loader(dl), _no_loss, collect=collect, batch_fn=self._batch_fn()
+        )
+        preds = _float32(join(collect.outputs))
         preds = activation(preds) if activation is not None else preds
         targets = join(collect.targets) if collect.targets else None
         cpu = torch.device("cpu")
@@ -433,17 +450,66 @@ class Learner:
         One item (``x`` without the batch dim, judged from the dataset's first
         item, or the first batch of a loader that is a list) gets it added,
         and every tensor of the output with a batch dim loses it again: a
-        tuple, dict or dataclass output keeps its structure.
+        tuple, dict or dataclass output keeps its structure. It runs as
+        ``get_preds`` does, in the Learner's precision, memory format and
+        compilation; float16 and bfloat16 outputs come back in float32.
         """
-        device = model_device(self.model)
         single = _is_single_item(x, self.data)
         xb = map_tensors(lambda t: t.unsqueeze(0), x) if single else x
-        with evaluating(self.model):  # then back to the mode it was in
-            out = call_model(self.model, to_device(xb, device))
+        collect = _Collect()
+        # One batch of inputs only, (xb,): batch_fn is for the loaders' batches.
+        self._evaluate([(xb,)], _no_loss, collect=collect)
+        out = _float32(collect.outputs[0])
         out = activation(out) if activation is not None else out
         if single:
             out = map_tensors(lambda t: t[0] if t.ndim else t, out)
         return to_device(out, torch.device("cpu"))
+
+    def _evaluate(
+        self,
+        dl: Iterable,
+        loss_func: Any,
+        metrics: fm.Metrics | None = None,
+        collect: Callback | None = None,
+        batch_fn: Callable[[Any], Any] | None = None,
+    ) -> tuple[list[torch.Tensor], CallbackHandler]:
+        """``validate`` over ``dl`` as a fit's validation runs it: the
+        Learner's callbacks that shape the forward pass (``in_evaluation``:
+        ``MixedPrecision``, ``ChannelsLast``, ``Compile``) set up as a fit
+        starts (``opt=None``), run on each batch, and clean up after, also
+        after an error. The random generators are put back after it (a
+        loader draws a seed), as after a validation inside an epoch: an
+        evaluation inside a fit changes neither its order nor its weights."""
+        rng = get_rng_state(dl)
+        try:
+            return self._evaluate_once(dl, loss_func, metrics, collect, batch_fn)
+        finally:
+            set_rng_state(rng, dl)
+
+    def _evaluate_once(
+        self,
+        dl: Iterable,
+        loss_func: Any,
+        metrics: fm.Metrics | None,
+        collect: Callback | None,
+        batch_fn: Callable[[Any], Any] | None,
+    ) -> tuple[list[torch.Tensor], CallbackHandler]:
+        settings = [cb for cb in self.callbacks if _in_evaluation(cb)]
+        handler = CallbackHandler([*settings, *([collect] if collect else [])])
+        handler.on_train_begin(None, model=self.model, opt=None, data=self.data,
+                               loss_func=loss_func, metrics=metrics)  # fmt: skip
+        exception = None
+        try:
+            values = validate(self.model, dl, loss_func, handler, metrics, batch_fn)
+        except BaseException as e:
+            exception = e
+            raise
+        finally:
+            handler.on_train_end(exception)
+        return values, handler
+
+    def _batch_fn(self) -> Callable[[Any], Any] | None:
+        return getattr(self.data, "batch_fn", None)
 
     def _loader(self, dl: Iterable | None) -> Iterable:
         dl = self.data.valid_dl if dl is None else dl
@@ -461,8 +527,11 @@ class Learner:
         With the optimizer go the states of the Learner's stateful callbacks
         (such as ``MixedPrecision``'s loss scale), keyed by class name. Under
         torch.distributed rank 0 writes; a model sharded with FSDP is gathered
-        from every rank, so there call ``save`` on every rank.
+        from every rank, so there call ``save`` on every rank. The file holds
+        the plain model's keys, whatever wraps it (DDP, ``torch.compile``).
         """
+        fix = f"learn.save({str(name)!r}, with_opt=False)"
+        with_opt = check_flag(with_opt, "with_opt", "Learner.save", fix)
         state: dict[str, Any] = {"model": model_state(self.model)}
         if with_opt and self.opt is not None:
             state["opt"] = optimizer_state(self.opt, self.model)
@@ -487,9 +556,18 @@ class Learner:
         inference in float32, say) is left unused. A sharded model loads on
         every rank at once. A file of another model, or (``with_opt``) of
         another optimizer class or number of layer groups, is refused before
-        anything is loaded.
+        anything is loaded. The model may be plain, compiled or wrapped, and
+        so may the one that saved.
         """
+        fix = f"learn.load({str(name)!r}, with_opt=False)"
+        with_opt = check_flag(with_opt, "with_opt", "Learner.load", fix)
         path = self._file(name)
+        odd = not_a_file(path)
+        if odd not in (None, "does not exist"):  # (safe_load says "save() first")
+            raise ValueError(
+                f"Learner.load: {str(path)!r} {odd}, not a file that save() "
+                "wrote. Fix: name the file, or move that entry out of the way."
+            )
         state = safe_load(path, map_location=model_device(self.model))
         if not isinstance(state, dict) or "model" not in state:
             raise ValueError(f"{str(path)!r} is not a Learner.save file.")
@@ -504,6 +582,16 @@ class Learner:
             # A state whose callback this Learner lacks is not needed here.
             give_states(self.callbacks, state.get("callbacks", []))
         return self
+
+    @property
+    def path(self) -> Path:
+        """The directory of ``save``/``load`` (files go to ``path/models``);
+        assign any path-like (a ``str`` becomes a ``Path``)."""
+        return self._path
+
+    @path.setter
+    def path(self, value: str | os.PathLike) -> None:
+        self._path = _check_path(value)
 
     def _file(self, name: str | Path) -> Path:
         name = Path(name)
@@ -525,7 +613,7 @@ class Learner:
         total_steps: int | None = None,
         *,
         max_lr: LR | None = None,
-    ) -> list[dict]:
+    ) -> History:
         """Trains with the 1cycle policy (see ``OneCycleScheduler``).
 
         ``lr``, the peak learning rate, is taken as by ``fit``: a float, one
@@ -554,7 +642,7 @@ class Learner:
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
-    ) -> list[dict]:
+    ) -> History:
         """Trains at ``lr`` for ``pct_start`` of the steps, then anneals to 0.
 
         Example:
@@ -574,7 +662,7 @@ class Learner:
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
-    ) -> list[dict]:
+    ) -> History:
         """Warms up linearly from 0 to ``lr``, then anneals along a cosine to 0.
 
         Example:
@@ -592,10 +680,10 @@ class Learner:
         wd: float | None,
         sched: Callback,
         callbacks: Iterable[Callback] | None,
-    ) -> list[dict]:
+    ) -> History:
         """``fit`` with ``sched`` setting the lr: the optimizer's lr is left
         to it (it holds the lr, spread over the groups). Returns the history."""
-        cbs, history = [sched, *callback_list(callbacks)], []
+        cbs, history = [sched, *callback_list(callbacks)], History()
         steps = self._fit_states(epochs, None, wd, cbs, None, True, history)
         for _ in steps:
             pass
@@ -619,7 +707,7 @@ class Learner:
         plots the sweep. With ``progress``, one bar follows the sweep's steps.
 
         Use ``valley``. A ``UserWarning`` says when the suggestions are doubtful
-        (see ``sweep_problems``): the loss never fell (they are noise), or
+        (see ``sweep_problems``): the loss never fell (valley is a guess), or
         the valley begins at ``start_lr`` or still goes on at ``end_lr``.
 
         The sweep runs at the optimizer's momentum as it is. ``fit_one_cycle``
@@ -647,7 +735,9 @@ class Learner:
                 self.opt,
                 self.data,
                 callbacks=[*sweepers, finder, *extra],
-                metrics=self.metrics,  # not computed (no validation), but named
+                metrics=self._metrics(
+                    "metrics"
+                ),  # not computed (no validation), but named
             )
         finally:
             for cb, state in zip(sweepers, saved, strict=True):
@@ -684,7 +774,9 @@ class Learner:
             ...     if snap.loss < 0.1:
             ...         break
         """
-        check_int(every, "every", minimum=1, owner="Learner.fit_snapshots", example=25)
+        owner = "Learner.fit_snapshots"
+        check_int(n_steps, "n_steps", minimum=1, owner=owner, example=500)
+        check_int(every, "every", minimum=1, owner=owner, example=25)
         steps = self._fit_states(None, lr, wd, callbacks, n_steps)
         t0, loop_values = (
             time.perf_counter(),
@@ -748,9 +840,11 @@ class Learner:
     def compile(self, **kwargs: Any) -> Any:
         """Trains every later fit through ``torch.compile`` (``kwargs`` are its
         arguments), the module compiled in place: saved files, checkpoints and
-        the best weights keep the plain module's keys. ``get_preds``,
-        ``predict`` and ``lr_find`` run the plain module. See ``Compile``.
-        Returns the Learner.
+        the best weights keep the plain module's keys. ``validate``,
+        ``get_preds`` and ``predict`` run compiled too, ``lr_find`` the plain
+        module. See ``Compile``. Returns the Learner. An evaluation compiles
+        graphs of its own for ``predict``'s batch of one and each new
+        ``get_preds`` batch shape (counted against torch's recompile limit).
 
         Example:
             >>> learn = Learner(data, model).compile(mode="max-autotune")
@@ -843,18 +937,16 @@ def _default(name: str, value: Any) -> Any:
 
 
 def _check_path(path: Any) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"path must be a directory path (str or os.PathLike); got {path!r}. "
-            "Fix: e.g. Learner(..., path='runs/exp1')."
-        )
-    if Path(path).exists() and not Path(path).is_dir():
+    path = check_path(
+        path, "path", owner="Learner", what="a directory path", example="'runs/exp1'"
+    )
+    if path.exists() and not path.is_dir():
         raise ValueError(
             f"path {str(path)!r} is a file; it must be a directory (save and load "
-            f"use {str(Path(path) / 'models')!r}). Fix: pass its directory, e.g. "
-            f"path={str(Path(path).parent)!r}."
+            f"use {str(path / 'models')!r}). Fix: pass its directory, e.g. "
+            f"path={str(path.parent)!r}."
         )
-    return Path(path)
+    return path
 
 
 def _default_metrics(loss_func: Callable) -> list:
@@ -998,6 +1090,12 @@ class _Collect(Callback):
             self.targets.append(targets[0] if len(targets) == 1 else targets)
 
 
+def _float32(out: Any) -> Any:
+    """``out`` with its half-precision tensors (autocast's) in float32."""
+    half = (torch.float16, torch.bfloat16)
+    return map_tensors(lambda t: t.float() if t.dtype in half else t, out)
+
+
 def _no_loss(out: Any, *targets: Any) -> torch.Tensor:
     """``get_preds`` needs no loss (and a test set may have no targets)."""
     t = first_tensor(out)
@@ -1020,6 +1118,11 @@ def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> No
 def _in_lr_find(cb: Callback) -> bool:
     """Whether ``cb`` (or the callback a filter wraps) takes part in a sweep."""
     return getattr(getattr(cb, "callback", cb), "in_lr_find", True)
+
+
+def _in_evaluation(cb: Callback) -> bool:
+    """Whether ``cb`` (or the callback a filter wraps) shapes evaluation."""
+    return getattr(getattr(cb, "callback", cb), "in_evaluation", False)
 
 
 def _is_dist(cb: Callback) -> bool:

@@ -97,7 +97,7 @@ def _pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError(
-            "Recorder plots need matplotlib. Fix: pip install matplotlib "
+            "Plots (Recorder, History) need matplotlib. Fix: pip install matplotlib "
             "(or fitlib's plot extra)."
         ) from e
     return plt

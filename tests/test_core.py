@@ -755,3 +755,46 @@ def test_a_spent_sized_iterator_stops_an_endless_fit_with_an_error():
 
     with pytest.raises(ValueError, match=r"train_dl yielded no batches.*only once"):
         _fit(epochs=None, max_steps=100, data=DataBunch(Once(make_data().train_dl)))
+
+
+def test_fit_returns_a_history_that_is_the_list_of_its_records():
+    from fitlib import History
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    recorder = Recorder()
+    history = fit(2, model, F.cross_entropy, opt, make_data(), [recorder],
+                  metrics=[accuracy])  # fmt: skip
+    assert type(history) is History and isinstance(history, list)
+    assert history == list(history) and history[-1] is history[1]
+    assert [r["train_loss"] for r in history] == recorder.train_losses
+    assert repr(history).startswith("History(2 epochs: train_loss ")
+
+
+def test_metrics_that_are_not_a_list_are_refused_naming_the_argument():
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for name in ("metrics", "train_metrics"):
+        with pytest.raises(TypeError, match=(
+            rf"fit: {name} must be a list of metrics or None; got accuracy "
+            rf"\(function\)\. Fix: .*{name}=\[accuracy\]"
+        )):  # fmt: skip
+            fit(1, model, F.cross_entropy, opt, make_data(), **{name: accuracy})
+
+
+def test_a_batch_fn_returning_numpy_arrays_is_refused_at_the_first_batch():
+    x, y = make_dataset(32).tensors
+    batches = [{"x": x[i : i + 16].numpy(), "y": y[i : i + 16].numpy()}
+               for i in (0, 16)]  # fmt: skip
+    data = DataBunch(batches, batches, device="cpu",
+                     batch_fn=lambda b: (b["x"], b["y"]))  # fmt: skip
+    recorder = Recorder()
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=(
+        r"batch_fn <lambda> returned \(ndarray, ndarray\) for a batch of "
+        r"train_dl: numpy arrays \(the first: shape \(16, 8\), float32\), where "
+        r"fitlib needs tensors .*Fix: .*torch\.as_tensor"
+    )):  # fmt: skip
+        fit(1, model, F.cross_entropy, opt, data, [recorder])
+    assert recorder.losses == []  # refused before any step

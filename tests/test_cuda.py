@@ -176,3 +176,26 @@ def test_a_host_copy_starts_without_a_sync_and_reads_the_value():
         torch.cuda.set_sync_debug_mode("default")
     a, b = copy.get()
     assert copy.ready() and a == pytest.approx(loss.item()) and b == 2 * a
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_evaluation_on_cuda_runs_in_the_learners_precision(precision):
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("needs a GPU with bfloat16")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    loaders = [DataLoader(make_dataset(n, seed=s), 16) for n, s in ((64, 0), (48, 1))]
+    learn = Learner(DataBunch(*loaders, device="cuda"), make_model(), F.cross_entropy,
+                    metrics=[accuracy], progress=False)  # fmt: skip
+    getattr(learn, f"to_{precision}")()
+    history = learn.fit(1, lr=1e-2)
+    valid = learn.validate()  # the weights of the fit's last validation
+    assert valid["valid_loss"] == history[-1]["valid_loss"]
+    assert valid["accuracy"] == history[-1]["accuracy"]
+    preds, _ = learn.get_preds()
+    x = loaders[1].dataset.tensors[0]
+    assert preds.dtype == torch.float32  # computed in dtype, returned in float32
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        expected = learn.model.eval()(x.cuda()).float().cpu()
+    torch.testing.assert_close(preds, expected)
+    assert learn.predict(x[:3]).dtype == torch.float32
+    assert not torch.is_autocast_enabled("cuda")

@@ -403,3 +403,78 @@ def test_evaluating_inside_fit_snapshots_leaves_the_model_training(tmp_path):
 def test_a_flag_that_is_not_a_bool_is_refused(name):
     with pytest.raises(TypeError, match=rf"{name} must be True or False; got 'no'"):
         Learner(make_data(), make_model(), F.cross_entropy, **{name: "no"})
+
+
+# -- save and load: flags and the path ----------------------------------------------
+@pytest.mark.parametrize("method", ["save", "load"])
+def test_with_opt_that_is_not_a_bool_is_refused(tmp_path, method):
+    learn = learner(tmp_path)
+    learn.save("m")
+    with pytest.raises(TypeError, match=rf"{method}: with_opt must be True or False; "
+                       r"got 'no' \(str\)\. Fix: e\.g\."):  # fmt: skip
+        getattr(learn, method)("m", with_opt="no")
+
+
+def test_a_path_assigned_as_a_string_is_a_path(tmp_path):
+    learn = learner(tmp_path / "a")
+    learn.path = str(tmp_path / "b")
+    assert learn.path == tmp_path / "b"
+    assert learn.save("m") == tmp_path / "b" / "models" / "m.pth"
+    learn.load("m")
+    with pytest.raises(TypeError, match=r"Learner: path must be .*got 3 \(int\)"):
+        learn.path = 3
+    assert learn.path == tmp_path / "b"  # unchanged by the refused value
+
+
+@pytest.mark.parametrize("name", ["metrics", "train_metrics"])
+def test_metrics_that_are_not_a_list_are_refused_by_the_learner(tmp_path, name):
+    with pytest.raises(TypeError, match=(
+        rf"Learner: {name} must be a list of metrics or None; got accuracy "
+        rf"\(function\)\. Fix: e\.g\. Learner\(\.\.\., {name}=\[accuracy\]\)"
+    )):  # fmt: skip
+        learner(tmp_path, **{name: accuracy})
+
+
+def test_loading_a_directory_says_what_it_is(tmp_path):
+    (tmp_path / "models" / "m.pth").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"m\.pth' is a directory, not a file"):
+        learner(tmp_path).load("m")
+
+
+def test_an_empty_path_or_an_empty_dict_of_optimizers_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"Learner: path must be a directory path"):
+        Learner(make_data(), model, F.cross_entropy, path="")
+    with pytest.raises(ValueError, match="opt_func"):
+        Learner(make_data(), model, F.cross_entropy, opt_func={})
+
+
+def test_evaluations_inside_a_fit_change_neither_the_order_nor_the_weights(tmp_path):
+    def train(evaluate):
+        torch.manual_seed(1)
+        learn = learner(tmp_path, opt_func=torch.optim.SGD)  # shuffled train_dl
+        for _ in learn.fit_snapshots(12, every=3, lr=0.1):
+            if evaluate:
+                state = torch.get_rng_state()
+                learn.validate()
+                learn.get_preds()
+                learn.predict(torch.zeros(8))
+                assert torch.equal(state, torch.get_rng_state())
+        return snapshot(learn.model)
+
+    assert all(map(torch.equal, train(False), train(True)))
+
+
+def test_metrics_set_on_the_learner_as_one_metric_say_the_attribute_fix(tmp_path):
+    learn = learner(tmp_path)
+    learn.metrics = accuracy
+    fix = (
+        r"Learner: metrics must be a list.*got accuracy.*learn\.metrics = \[accuracy\]"
+    )
+    with pytest.raises(TypeError, match=fix):
+        learn.fit(1)
+    with pytest.raises(TypeError, match=fix):
+        learn.validate()
+    learn.metrics, learn.train_metrics = [], accuracy
+    with pytest.raises(TypeError, match=r"learn\.train_metrics = \[accuracy\]"):
+        learn.fit(1)

@@ -264,3 +264,27 @@ def test_lr_find_writes_no_table_of_fake_epochs_in_a_log(tmp_path, capsys):
     learner(tmp_path, progress=True).lr_find(num_it=25)  # stdout: no terminal
     out = capsys.readouterr().out
     assert "#na#" not in out and "epoch" not in out and "|" not in out
+
+
+@pytest.mark.parametrize(
+    "shortcut", ["fit", "fit_one_cycle", "fit_flat_cos", "fit_warmup_cos"]
+)
+def test_every_fit_returns_a_history_of_its_records(tmp_path, shortcut):
+    from fitlib import History
+
+    learn = learner(tmp_path)
+    history = getattr(learn, shortcut)(2, lr=1e-2)
+    assert type(history) is History
+    assert history == list(history) and len(history) == 2
+    assert [r["train_loss"] for r in history] == learn.recorder.train_losses
+    assert repr(history).startswith("History(2 epochs: train_loss ")
+
+
+@pytest.mark.parametrize("n_steps", [0, None, 2.5])
+def test_fit_snapshots_n_steps_is_named_when_refused(tmp_path, n_steps):
+    learn = learner(tmp_path)
+    with pytest.raises(ValueError, match=(
+        rf"Learner.fit_snapshots: n_steps must be an int >= 1; got {n_steps}"
+    )):  # fmt: skip
+        next(learn.fit_snapshots(n_steps=n_steps))
+    assert learn.recorder.losses == []

@@ -21,6 +21,10 @@ class ChannelsLast(Callback):
     as training begins (``model.to(memory_format=torch.channels_last)``), and
     each batch's 4-D input tensors (images ``(B, C, H, W)``, in a tuple or
     dict too) before any other hook sees them; other inputs pass unchanged.
+    A Learner's ``validate``, ``get_preds`` and ``predict`` run it too
+    (``in_evaluation``), so their inputs are converted as the fit's are;
+    the model's weights stay channels-last after them (a layout, not a value:
+    the one change an evaluation leaves, see ARCHITECTURE.md).
 
     A model without 4-D weights (no convolution) or a first batch without a
     4-D input is refused, with the shapes it found: there, channels-last
@@ -35,6 +39,7 @@ class ChannelsLast(Callback):
     # for the weights' strides as it wraps the model. First to touch the batch,
     # too: every later hook sees it converted.
     order = -210
+    in_evaluation = True  # validate, get_preds, predict: so are their inputs
 
     def __init__(self) -> None:
         self._checked = False

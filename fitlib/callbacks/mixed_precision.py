@@ -1,8 +1,9 @@
 """``MixedPrecision``: the forward pass and the loss in float16 or bfloat16.
 
 Autocast is on from ``on_batch_begin`` to the loss (``on_backward_begin``),
-for validation batches too (``Learner.validate`` and ``get_preds`` run
-without callbacks, in float32, so their loss may differ in the last digits).
+for validation batches too (to ``on_batch_end``); ``Learner.validate``,
+``get_preds`` and ``predict`` run it as well (``in_evaluation``), so they
+give a fit's validation values exactly, and outputs in ``dtype``.
 With float16 a ``torch.amp.GradScaler`` scales the loss so small gradients
 do not underflow, and changes the scale as training goes (halved after a
 step with non-finite gradients, doubled after ``growth_interval`` good ones).
@@ -59,6 +60,7 @@ class MixedPrecision(Callback):
     """
 
     order = -20  # after GradientAccumulation, before clipping and user callbacks
+    in_evaluation = True  # validate, get_preds, predict: in this precision too
 
     def __init__(
         self,
@@ -91,12 +93,13 @@ class MixedPrecision(Callback):
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, model: torch.nn.Module, opt: Any) -> None:
-        """Runs before training: checks the device, sets up autocast and scaler."""
+        """Runs before training: checks the device, sets up autocast and scaler
+        (none without ``opt``: an evaluation, which takes no step)."""
         device = model_device(model)
         _check_device(self.dtype, device)
         self._device_type = device.type
         self._autocast = torch.autocast(device.type, dtype=self.dtype)
-        if self.dtype is torch.float16:
+        if self.dtype is torch.float16 and opt is not None:
             if is_sharded(model):
                 raise ValueError(
                     "MixedPrecision(float16) with a model sharded by FSDP: each "
@@ -116,6 +119,12 @@ class MixedPrecision(Callback):
         self._leave_autocast()
         if self.scaler is not None:
             return {"last_loss": self.scaler.scale(last_loss)}
+        if self.dtype is torch.float16:  # a step, but no opt at train begin
+            raise ValueError(
+                "MixedPrecision(float16) has no loss scaler: on_train_begin got "
+                "no optimizer. Fix: handler.on_train_begin(n_epochs, model=model, "
+                "opt=opt) before the first batch."
+            )
         return None
 
     def on_backward_end(self, opt: Any, skip_step: bool) -> None:
@@ -139,7 +148,7 @@ class MixedPrecision(Callback):
     def on_train_end(self, opt: Any) -> None:
         """Runs at the end, also after an error: autocast off, scaler detached."""
         self._leave_autocast()
-        if getattr(opt, "grad_scaler", None) is self.scaler:
+        if opt is not None and getattr(opt, "grad_scaler", None) is self.scaler:
             opt.grad_scaler = None  # a later fit without this callback steps plainly
         if self._unscaled:  # an error between unscale_ and update()
             self._drop_unfinished_step()

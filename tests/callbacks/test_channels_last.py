@@ -93,3 +93,35 @@ def test_inputs_without_a_4d_tensor_are_refused_with_their_shapes():
     opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match=r"shape=\(16, 64\).*none is 4-D"):
         fit(1, model, F.cross_entropy, opt, flat, [ChannelsLast()])
+
+
+class InputLayout(nn.Module):
+    """A layer that notes whether each input it sees is channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.is_contiguous(memory_format=NHWC))
+        return x
+
+
+def test_validate_get_preds_and_predict_run_channels_last_too():
+    spy = InputLayout()
+    learn = Learner(data(), nn.Sequential(spy, *convnet()), F.cross_entropy,
+                    progress=False).to_channels_last()  # fmt: skip
+    history = learn.fit(1, lr=0.01)
+    spy.seen.clear()
+    assert learn.validate()["valid_loss"] == history[-1]["valid_loss"]
+    learn.get_preds()
+    x = images(4, seed=2).tensors[0]
+    learn.predict(x)
+    learn.predict(x[0])
+    assert spy.seen == [True] * (2 + 2 + 1 + 1)  # 2 batches twice, 2 predictions
+    # A Learner not trained yet evaluates channels-last as well.
+    fresh = Learner(data(), nn.Sequential(InputLayout(), *convnet()),
+                    F.cross_entropy, progress=False).to_channels_last()  # fmt: skip
+    fresh.get_preds()
+    assert fresh.model[0].seen == [True, True]
+    assert fresh.model[1].weight.is_contiguous(memory_format=NHWC)

@@ -111,7 +111,7 @@ def test_a_ragged_last_batch_compiles_once_not_every_epoch():
 
 
 @pytest.mark.filterwarnings("ignore:lr_find")  # a 5-step sweep's suggestions
-def test_the_module_is_plain_after_fit_for_predictions_and_the_lr_finder():
+def test_the_lr_finder_runs_plain_and_the_module_is_plain_after_fit():
     backend = Counting()
     learn = learner(compile={"backend": backend})
     learn.lr_find(num_it=5)
@@ -119,10 +119,23 @@ def test_the_module_is_plain_after_fit_for_predictions_and_the_lr_finder():
     learn.fit(1, lr=0.1)
     trained = backend.graphs
     assert trained > 0
-    learn.get_preds()
-    learn.predict(torch.zeros(8))
-    learn.validate()
-    assert backend.graphs == trained  # nothing compiled after the fit
+    with torch.no_grad():
+        learn.model.eval()(torch.zeros(7, 8))  # a new shape: eager, no graph
+    assert backend.graphs == trained
+
+
+def test_validate_get_preds_and_predict_run_compiled_then_leave_it_plain():
+    backend = Counting()
+    learn = learner(compile={"backend": backend})
+    history = learn.fit(1, lr=0.1)
+    assert learn.validate()["valid_loss"] == history[-1]["valid_loss"]
+    for evaluate in (learn.validate, learn.get_preds,
+                     lambda: learn.predict(torch.zeros(5, 8))):  # fmt: skip
+        torch.compiler.reset()  # (graphs of the same code would be reused)
+        before = backend.graphs
+        evaluate()
+        assert backend.graphs > before, evaluate
+        assert learn.model._compiled_call_impl is None  # plain again
 
 
 def test_compiles_with_mixed_precision():
@@ -167,3 +180,104 @@ def test_a_backend_that_cannot_compile_says_how_to_fall_back(monkeypatch):
         learn.fit(1, lr=0.1)
     assert "C++ compiler" in str(caught.value)
     assert learn.recorder.losses == []  # before any step
+
+
+SAID = "fitlib: compiling the model (the first batches are slow)"
+
+
+def test_a_compiled_fit_says_once_that_it_compiles(capsys):
+    learn = learner(compile={"backend": Counting()})
+    learn.fit(2, lr=0.1)
+    assert capsys.readouterr().out.count(SAID) == 1  # once, not per epoch
+    learn.get_preds()  # compiled already: nothing to say
+    assert SAID not in capsys.readouterr().out
+    learn.fit(1, lr=0.1)
+    assert capsys.readouterr().out.count(SAID) == 1  # once per fit
+    fresh = learner(compile={"backend": Counting()})
+    fresh.validate()  # its first compilation: said
+    assert capsys.readouterr().out.count(SAID) == 1
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_only_rank_0_says_that_it_compiles(capsys, monkeypatch, main):
+    import fitlib.ranks
+
+    monkeypatch.setattr(fitlib.ranks, "is_main", lambda: main)
+    learner(compile={"backend": Counting()}).fit(1, lr=0.1)
+    assert capsys.readouterr().out.count(SAID) == main
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"fullgraph": 1},
+            TypeError,
+            r"Compile: fullgraph must be True or False; "
+            r"got 1 \(int\)\. Fix: e\.g\. Compile\(fullgraph=True\)",
+        ),
+        ({"disable": "no"}, TypeError, r"disable must be True or False; got 'no'"),
+        (
+            {"dynamic": "yes"},
+            TypeError,
+            r"dynamic must be True, False or None; got 'yes' \(str\)",
+        ),
+        (
+            {"backend": 3},
+            TypeError,
+            r"backend must be a backend's name \(str\) or "
+            r"a backend function; got 3 \(int\)\. Fix: e\.g\. Compile\(backend=",
+        ),
+        ({"backend": None}, TypeError, r"backend must be .*; got None"),
+        ({"mode": 3}, TypeError, r"mode must be a str or None; got 3 \(int\)"),
+        ({"options": "x"}, TypeError, r"options must be a dict or None; got 'x'"),
+        ({"recompile_limit": 0}, ValueError, r"recompile_limit must be an int >= 1"),
+        (
+            {"mode": "max-autotune", "options": {}},
+            ValueError,
+            r"Compile: pass mode or options, not both.*Fix",
+        ),
+        (
+            {"mode": "fast"},
+            ValueError,
+            r"Compile: torch\.compile refused "
+            r"mode='fast': Unrecognized mode=fast.*max-autotune.*Fix",
+        ),
+        (
+            {"options": {"nonsense": 1}},
+            ValueError,
+            r"refused options=\{'nonsense': 1\}: Unexpected optimization option",
+        ),
+    ],
+)
+def test_each_bad_argument_is_refused_when_compile_is_asked_for(kwargs, error, match):
+    learn = learner()
+    with pytest.raises(error, match=match):
+        learn.compile(**kwargs)
+    assert not any(isinstance(cb, Compile) for cb in learn.callbacks)
+
+
+def test_an_evaluation_inside_a_fit_keeps_the_fit_compiled():
+    backend = Counting()
+    seen = []
+
+    class Steps(Callback):
+        def on_batch_begin(self, train, model):
+            if train:
+                seen.append(model._compiled_call_impl is not None)
+
+    learn = learner(compile={"backend": backend})
+    for _ in learn.fit_snapshots(12, every=3, lr=0.1, callbacks=[Steps()]):
+        learn.validate()  # runs the Learner's Compile too, then ends it
+    assert seen == [True] * 12
+    assert learn.model._compiled_call_impl is None  # plain after the fit
+
+
+def test_a_users_own_compiled_model_stays_compiled_after_validate():
+    backend = Counting()
+    learn = learner(compile={"backend": backend})
+    learn.model.compile(backend=backend)
+    own = learn.model._compiled_call_impl
+    learn.validate()
+    learn.predict(torch.zeros(8))
+    assert learn.model._compiled_call_impl is own

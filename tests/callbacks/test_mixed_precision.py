@@ -477,3 +477,50 @@ def test_after_an_error_mid_step_a_plain_fit_steps_without_the_old_scaler():
     before = [p.detach().clone() for p in model.parameters()]
     fit(1, model, F.cross_entropy, opt, data)  # float32 now
     assert all(map(differ, before, model.parameters()))
+
+
+# -- evaluation in the Learner's precision -------------------------------------------
+def autocast_outputs(model, loader, dtype):
+    """The validation set's outputs, batch by batch, under autocast in ``dtype``."""
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        return torch.cat([model(xb) for xb, _ in loader])
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
+def test_validate_get_preds_and_predict_run_in_the_learners_precision(precision, dtype):
+    learn = Learner(make_data(shuffle=False), make_model(), F.cross_entropy,
+                    opt_func=torch.optim.SGD, metrics=[accuracy],
+                    progress=False)  # fmt: skip
+    getattr(learn, f"to_{precision}")()
+    history = learn.fit(1, lr=0.1)
+    valid = learn.validate()  # the same weights as the fit's last validation
+    assert valid["valid_loss"] == history[-1]["valid_loss"]  # exactly
+    assert valid["accuracy"] == history[-1]["accuracy"]
+    # Computed under autocast, returned in float32 (so .numpy() works).
+    preds, _ = learn.get_preds()
+    expected = autocast_outputs(learn.model, learn.data.valid_dl, dtype).float()
+    assert preds.dtype == torch.float32 and torch.equal(preds, expected)
+    x = learn.data.valid_dl.dataset.tensors[0][:5]
+    expected = autocast_outputs(learn.model, [(x, 0)], dtype).float()
+    assert torch.equal(learn.predict(x), expected)
+    assert learn.predict(x[0]).dtype == torch.float32
+    assert learn.predict(x[0]).numpy().shape == (3,)
+    assert not torch.is_autocast_enabled("cpu")  # off again afterwards
+    learn.to_fp32()
+    assert learn.get_preds()[0].dtype == torch.float32
+
+
+def test_fp16_driven_without_an_optimizer_at_train_begin_says_so_at_the_step():
+    from fitlib import CallbackHandler, loss_batch
+
+    model = mlp()
+    handler = CallbackHandler([MixedPrecision()])
+    handler.on_train_begin(1, model=model, data=make_data(), loss_func=F.cross_entropy)
+    handler.on_epoch_begin()
+    xb, yb = handler.on_batch_begin(torch.randn(4, 8), torch.zeros(4).long())
+    with pytest.raises(ValueError, match="no loss scaler: on_train_begin got no "
+                       r"optimizer\. Fix: handler\.on_train_begin"):  # fmt: skip
+        loss_batch(model, xb, yb, F.cross_entropy, sgd(model), handler)
