@@ -32,17 +32,23 @@ def learner(tmp_path, n_train=100, **kwargs):
     )
 
 
-def sweep(finder, losses, skipped=()):
-    """Drives ``finder`` with scripted smoothed losses; returns the batch that
-    stopped training (or None) and the model and optimizer it ran on."""
+def step_loss(loss):
+    """A step's losses as the handler passes them: a scripted curve is both
+    the smoothed loss and the step's own."""
+    return {"smooth_loss": torch.tensor(loss), "last_loss": torch.tensor(loss)}
+
+
+def sweep(finder, losses, skipped=(), momentum=0.0):
+    """Drives ``finder`` with scripted smoothed losses (on SGD with
+    ``momentum``); returns the batch that stopped training (or None)."""
     model = nn.Linear(2, 1)
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=momentum)
     call_hook(finder, "on_train_begin", model=model, opt=opt)
     stopped = None
     for i, loss in enumerate(losses):
         call_hook(finder, "on_step_end", skip_step=i in skipped)
         update = call_hook(
-            finder, "on_batch_end", train=True, opt=opt, smooth_loss=torch.tensor(loss)
+            finder, "on_batch_end", train=True, opt=opt, **step_loss(loss)
         )
         if update and update.get("stop_training"):
             stopped = i
@@ -98,7 +104,7 @@ def test_reads_the_losses_only_when_check_every_has_passed(monkeypatch):
         clock[0] = 0.4 * i  # a read is due at the batch of t=1.2
         call_hook(finder, "on_step_end", skip_step=False)
         update = call_hook(
-            finder, "on_batch_end", train=True, opt=opt, smooth_loss=torch.tensor(loss)
+            finder, "on_batch_end", train=True, opt=opt, **step_loss(loss)
         )
         stops.append(bool(update))
         if update:
@@ -149,7 +155,7 @@ def test_a_loss_that_never_falls_by_one_percent_is_a_no_fall():
     assert "(2.285, at lr 0.063)" in problems["no_fall"]
     assert "num_it" in problems["no_fall"] and "labels" in problems["no_fall"]
     assert all(isinstance(lr, float) for lr in suggest_lrs(LRS[:29], losses))
-    # 1.4% below its start: a fall, however small.
+    # 1.4% below its start: a fall, 15 times a step's noise (0.0021) deep.
     assert sweep_problems(LRS[:29], [*losses[:24], 2.27, *losses[25:]]) == {}
 
 
@@ -172,6 +178,92 @@ def test_a_loss_falling_from_the_first_point_is_a_start_edge():
     problems = sweep_problems(LRS[:30], losses)
     assert list(problems) == ["start_edge"]
     assert "lower start_lr, e.g. start_lr=1e-08" in problems["start_edge"]
+
+
+def test_a_flat_sweep_suggests_a_tenth_of_where_the_steps_loss_first_moved():
+    # LeNet with plain SGD: the smoothed loss is flat within a fraction of a
+    # percent (its lowest point is noise, here the 2nd), while each step's
+    # own loss stays in its band until it jumps as training starts to break.
+    smooth = [2.300, 2.295, *NOISY_FLAT[2:], *[2.30, 2.301, 2.299] * 5, 2.302]
+    steps = [*NOISY_FLAT, *NOISY_FLAT[:10], 2.25, 2.40, 2.1, 2.5, 2.3, 2.3]
+    # The first half's median is 2.30 and its spread 0.015 (1.4826 times a
+    # median deviation of 0.01): the first step 6 spreads (0.089) away is 31,
+    # at lr 1.6 (2.25 at 30 is not).
+    assert suggest_lrs(LRS[:36], smooth, steps).valley == pytest.approx(LRS[31] / 10)
+    problems = sweep_problems(LRS[:36], smooth, steps)
+    assert list(problems) == ["no_fall"]  # before: valley 1.1e-06, said noise
+    assert "valley (0.16) is a guess" in problems["no_fall"]
+    assert "first moved (lr 1.6)" in problems["no_fall"]
+
+
+# A network that sits on its plateau and dies as it starts to learn (LeNet,
+# SGD with momentum 0.9, 300 steps): the smoothed loss dips 2.8% just before
+# its cliff, while a step's own loss varies by 0.015 (NOISY_FLAT's spread).
+CLIFF_STEPS = [*NOISY_FLAT, *NOISY_FLAT[:10], 2.2, 2.15, 2.1, 2.2, 40.0]
+FLAT_THEN = [2.300, 2.301, 2.299] * 10  # 0-29, start level 2.30
+
+
+def test_a_small_fall_just_before_a_cliff_is_said_to_be_no_valley():
+    smooth = [*FLAT_THEN, 2.29, 2.27, 2.25, 2.235, 9.5]  # diverges at 34
+    # The fall, 0.065, is 1% of the start level but not 15 times a step's
+    # noise (0.021, of its changes from step to step): a cliff.
+    problems = sweep_problems(LRS[:35], smooth, CLIFF_STEPS, num_it=300, mom=0.9)
+    assert list(problems) == ["cliff"]  # before: none
+    message = problems["cliff"]
+    assert message.startswith("lr_find: the loss fell only 2.8% before diverging")
+    assert "the edge of a cliff, not a valley" in message
+    # The valley stays where it was (a lower rate trained fewer seeds in
+    # benchmarks/lr_find_suggestions.py); the message names both.
+    valley = suggest_lrs(LRS[:35], smooth, CLIFF_STEPS).valley
+    assert valley == LRS[31]  # the middle of 30..33
+    assert f"valley ({valley:.2g}) lies on that edge" in message
+    assert f"(min_div10, {LRS[33] / 10:.2g})" in message
+    # The same cliff after a deep fall (17%, 19 times the noise): a valley.
+    deep = [*FLAT_THEN, 2.2, 2.05, 1.95, 1.9, 9.5]
+    assert sweep_problems(LRS[:35], deep, CLIFF_STEPS) == {}
+
+
+def test_the_no_fall_fixes_fit_the_sweep_that_was_run():
+    smooth = [*FLAT_THEN, 2.29, 2.27, 2.25, 2.235, 9.5]
+    short = sweep_problems(LRS[:35], smooth, CLIFF_STEPS, num_it=100, mom=0.0)
+    assert "sweep longer (e.g. num_it=300)" in short["cliff"]
+    assert "the momentum you will train with" in short["cliff"]
+    long = sweep_problems(LRS[:35], smooth, CLIFF_STEPS, num_it=300, mom=0.9)
+    assert "num_it" not in long["cliff"] and "momentum" not in long["cliff"]
+    assert (
+        "start nearer the lr where the loss moved (e.g. start_lr=1e-03)"
+        in (long["cliff"])
+    )
+    # A sweep in which nothing moved and nothing diverged: raise end_lr.
+    flat = sweep_problems(LRS[:20], [2.3] * 20, num_it=300, mom=0.9)
+    assert "raise end_lr (e.g. end_lr=6e-01)" in flat["no_fall"]
+    assert "start nearer" not in flat["no_fall"]
+
+
+@pytest.mark.parametrize(("num_it", "momentum"), [(100, 0.0), (300, 0.9)])
+def test_the_finder_passes_its_num_it_and_momentum_to_the_no_fall_fixes(
+    num_it, momentum
+):
+    finder = LRFinder(num_it=num_it)
+    with pytest.warns(UserWarning, match="never fell"):
+        sweep(finder, [2.3] * 40, momentum=momentum)
+    message = finder.problems["no_fall"]
+    assert ("sweep longer (e.g. num_it=300)" in message) == (num_it < 300)
+    assert ("the momentum you will train with" in message) == (momentum == 0)
+
+
+def test_a_flat_sweep_whose_steps_never_moved_suggests_a_tenth_of_its_last_lr():
+    losses = [2.302585] * 20  # a loss without gradient: ln(10), exactly
+    assert suggest_lrs(LRS[:20], losses, losses).valley == pytest.approx(LRS[19] / 10)
+
+
+def test_a_low_among_the_first_points_is_noise_not_a_fall():
+    # A debiased moving average starts as single batches' losses: 2% below
+    # the start level at the 2nd point, then flat. Before: a fall from the
+    # start (a start_edge warning), its valley at the sweep's first lr.
+    losses = [2.30, 2.24, *NOISY_FLAT[2:], *NOISY_FLAT]
+    assert list(sweep_problems(LRS, losses)) == ["no_fall"]
+    assert suggest_lrs(LRS, losses).min_div10 > LRS[3] / 10
 
 
 def test_suggest_lrs_refuses_a_sweep_without_a_finite_first_loss():
@@ -212,9 +304,7 @@ def test_the_finder_does_not_warn_after_an_error_but_keeps_the_problems():
     call_hook(finder, "on_train_begin", model=model, opt=opt)
     for loss in [2.3, 2.3, 2.31]:
         call_hook(finder, "on_step_end", skip_step=False)
-        call_hook(
-            finder, "on_batch_end", train=True, opt=opt, smooth_loss=torch.tensor(loss)
-        )
+        call_hook(finder, "on_batch_end", train=True, opt=opt, **step_loss(loss))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         call_hook(
