@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from fitlib.errors import ArgTypeError
 from fitlib.optim import (
+    _FIX,
     NAMES,
     HPOptimizer,
     HyperParam,
@@ -54,9 +56,22 @@ class MultiOptimizer(HyperParams):
 
     def __init__(self, parts: Parts) -> None:
         self.parts: dict[str, HPOptimizer] = _check_parts(parts)
-        # The parts step() steps; None: all. GANTrainer names one per batch.
-        self.active: tuple[str, ...] | None = None
+        self._active: tuple[str, ...] | None = None
         self.stepped: tuple[Any, Any] | None = None
+
+    @property
+    def active(self) -> tuple[str, ...] | None:
+        """The parts ``step()`` steps: a tuple of part names, or None for all
+        (``GANTrainer`` names one part per batch)."""
+        return self._active
+
+    @active.setter
+    def active(self, names: Any) -> None:
+        if names == self._active and type(names) is type(self._active):
+            return  # (set before every batch of a GAN: most keep the turn)
+        if names is not None:
+            names = _check_active(names, list(self.parts))
+        self._active = names
 
     # -- the parts -------------------------------------------------------------
     def __getitem__(self, name: str) -> HPOptimizer:
@@ -117,6 +132,12 @@ class MultiOptimizer(HyperParams):
             self.parts[name].step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not isinstance(set_to_none, bool):  # 'no' would be taken as True
+            raise ArgTypeError(
+                f"MultiOptimizer.zero_grad: set_to_none must be True or False; "
+                f"got {set_to_none!r} ({type(set_to_none).__name__}). Fix: e.g. "
+                "zero_grad(set_to_none=False)."
+            )
         for part in self.parts.values():
             part.zero_grad(set_to_none=set_to_none)
 
@@ -162,7 +183,7 @@ class MultiOptimizer(HyperParams):
         """Sets ``name``: one number for all, one value per group (all parts'
         groups, in order), or a dict part name -> value for those parts."""
         for part, v in self._split(name, value):
-            part.set(name, v)
+            _per_part(part.set, name, v, self._name_of(part, value))
 
     def set_lr(self, lr: Any, name: str = "lr") -> None:
         """Sets the learning rate as ``HPOptimizer.set_lr`` does, over all the
@@ -170,7 +191,7 @@ class MultiOptimizer(HyperParams):
         group of the part, or a slice spread over the part's groups)."""
         values = self.spread_lr(lr, name)
         for part, v in self._split("lr", values):
-            part.set("lr", v)
+            part.set("lr", v)  # (checked and spread by spread_lr)
 
     def spread_lr(self, lr: Any, name: str = "lr") -> list[float]:
         """One learning rate per group of every part (``lr_per_group``, per
@@ -179,18 +200,25 @@ class MultiOptimizer(HyperParams):
         return spread_over_parts(lr, counts, name)
 
     def set_scheduled(self, name: str, value: HyperParam) -> None:
-        for part, v in self._split(name, value):
+        for part, v in self._split(name, value):  # (each step: kept lean)
             part.set_scheduled(name, v)
 
     def scale(self, name: str, factors: HyperParam) -> None:
         for part, f in self._split(name, factors):
-            part.scale(name, f)
+            _per_part(part.scale, name, f, self._name_of(part, factors))
 
     def reset_scales(self) -> None:
         for part in self.parts.values():
             part.reset_scales()
 
     # -- internals -------------------------------------------------------------
+    def _name_of(self, part: HPOptimizer, value: Any) -> str | None:
+        """The name of ``part`` when ``value`` is a dict by part (so a message
+        names ``lr['encoder']``), else None."""
+        if not isinstance(value, Mapping):
+            return None
+        return next(n for n, p in self.parts.items() if p is part)
+
     def _check_has(self, name: str) -> None:
         if name not in NAMES:
             next(iter(self.parts.values())).has(name)  # its unknown-name error
@@ -208,6 +236,7 @@ class MultiOptimizer(HyperParams):
         """(part, its value) pairs: a dict by part name, a number to each, a
         sequence over all groups cut into the parts' groups."""
         if isinstance(value, Mapping):
+            _check_not_empty(value, list(self.parts), name)
             check_part_names(value, list(self.parts), name, every=False)
             return [(self.parts[k], v) for k, v in value.items()]
         if name != "wd" or _nonzero(value):  # (wd=0 without weight decay: fine)
@@ -233,6 +262,8 @@ def spread_over_parts(
     its number of groups), from what ``check_lr`` accepts: a dict gives each
     part its own (a number, one per group of the part, or a slice spread over
     the part's groups); anything else is spread over all the groups."""
+    if isinstance(lr, Mapping):
+        _check_not_empty(lr, list(counts), name)
     check_lr(lr, name)
     if not isinstance(lr, Mapping):
         return lr_per_group(lr, sum(counts.values()), name)
@@ -249,7 +280,9 @@ def check_part_names(
 ) -> None:
     """Refuses a dict by part whose keys name no part (or, ``every``, leave
     one out), naming ``name``, the argument; ``example`` is a part's value
-    the fix shows."""
+    the fix shows. The part names themselves must be non-empty strings."""
+    for part in parts:
+        _check_part_name(part)
     unknown = [k for k in values if k not in parts]
     absent = [k for k in parts if k not in values] if every else []
     if unknown or absent:
@@ -278,23 +311,28 @@ def as_optimizer(opt: Any) -> HPOptimizer | MultiOptimizer:
 
 def _check_parts(parts: Any) -> dict[str, HPOptimizer]:
     if not isinstance(parts, Mapping) or not parts:
-        raise TypeError(
+        raise (ValueError if isinstance(parts, Mapping) else ArgTypeError)(
             f"MultiOptimizer: parts must be a non-empty dict of part name -> "
-            f"optimizer; got {parts!r}. Fix: e.g. MultiOptimizer({{'encoder': "
-            "opt_enc, 'decoder': opt_dec}})."
+            f"optimizer; got {_short(parts)}. Fix: e.g. MultiOptimizer("
+            "{'encoder': opt_enc, 'decoder': opt_dec})."
         )
     out: dict[str, HPOptimizer] = {}
     owner: dict[int, str] = {}
     for name, opt in parts.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(
-                f"MultiOptimizer: part names must be non-empty strings; got "
-                f"{name!r}. Fix: name each part, e.g. 'encoder'."
-            )
+        _check_part_name(name)
         if isinstance(opt, MultiOptimizer):
             raise TypeError(
                 f"MultiOptimizer: part {name!r} is itself a MultiOptimizer. Fix: "
                 "give its parts here, one level deep."
+            )
+        if not isinstance(opt, HPOptimizer | torch.optim.Optimizer):
+            what = f"the class {opt.__name__}" if isinstance(opt, type) else None
+            raise ArgTypeError(
+                f"MultiOptimizer: part {name!r} must be a torch optimizer (or an "
+                f"HPOptimizer) over that part's parameters; got "
+                f"{what or _short(opt)}. Fix: e.g. {{{name!r}: torch.optim.SGD("
+                f"model.{name}.parameters(), lr=0.1)}} (in a Learner: opt_func="
+                f"{{{name!r}: torch.optim.SGD, ...}})."
             )
         out[name] = HPOptimizer.wrap(opt)
         for group in out[name].param_groups:
@@ -307,6 +345,70 @@ def _check_parts(parts: Any) -> dict[str, HPOptimizer]:
                     )
                 owner[id(p)] = name
     return out
+
+
+def _check_part_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ArgTypeError(
+            f"part names (the keys of opt_func, or of MultiOptimizer's parts) "
+            f"must be non-empty strings, submodule names; got {name!r} "
+            f"({type(name).__name__}). Fix: name each part, "
+            "e.g. 'encoder'; for one optimizer over the whole model, no dict: "
+            "opt_func=torch.optim.Adam."
+        )
+
+
+def _check_not_empty(values: Mapping, parts: list[str], name: str) -> None:
+    if not values:
+        raise ValueError(
+            f"{name}: the dict by part is empty; the parts are {parts}. Fix: "
+            f"one number for every part, or a value per part, e.g. "
+            f"{name}={{{parts[0]!r}: 1e-3}}."
+        )
+
+
+def _check_active(names: Any, parts: list[str]) -> tuple[str, ...]:
+    """``active`` as a tuple of part names, at least one."""
+    if isinstance(names, str) or not isinstance(names, tuple | list):
+        fix = f"({names!r},)" if isinstance(names, str) else f"({parts[0]!r},)"
+        raise ArgTypeError(
+            f"MultiOptimizer: active must be a tuple of part names, or None for "
+            f"every part; got {names!r} ({type(names).__name__}). Fix: e.g. "
+            f"active={fix}."
+        )
+    unknown = [n for n in names if n not in parts]
+    if unknown or not names:
+        what = f"no part {unknown[0]!r}" if unknown else "is empty"
+        raise ValueError(
+            f"MultiOptimizer: active names {what}; the parts are {parts}. Fix: "
+            f"e.g. active=({parts[0]!r},), or None to step every part."
+        )
+    return tuple(names)
+
+
+def _per_part(method: Any, name: str, value: Any, part: str | None) -> None:
+    """``method(name, value)`` on one part; a refusal of a dict's value names
+    the part (``lr['encoder']``)."""
+    if part is None:
+        method(name, value)
+        return
+    fix = f"Fix: e.g. opt.{name} = {{{part!r}: {_FIX.get(name, '0.5')}}}."
+    if value is None:
+        raise ArgTypeError(
+            f"{name}[{part!r}] must be a number (or one per parameter group of "
+            f"part {part!r}); got None. {fix}"
+        )
+    try:
+        method(name, value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}[{part!r}]: {e}") from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return (
+        text if len(text) < 80 else text[:77] + "..."
+    ) + f" ({type(value).__name__})"
 
 
 def _nonzero(value: Any) -> bool:

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -250,3 +251,131 @@ def test_frozen_parameters_may_stay_out_of_a_gan_part_and_missing_ones_are_named
         ValueError, match=r"leaves out gan.critic's trainable \['2.weight', '2.bias'\]"
     ):
         GANTrainer().on_train_begin(model=model, opt=MultiOptimizer(partial_critic))
+
+
+def test_a_critic_with_two_scores_per_sample_is_refused_at_the_first_batch():
+    model = gan()
+    model.critic[2] = nn.Linear(32, 2)  # a classifier's head: (n, 2) scores
+    opts = optimizers(model)
+    with pytest.raises(
+        ValueError, match=r"critic.*\(n,\) or \(n, 1\).*returned shape \(32, 2\)"
+    ):
+        fit(1, model, GANLoss("bce"), opts, DataBunch(loader()),
+            callbacks=[GANTrainer()])  # fmt: skip
+    # nothing stepped: the check comes before the first backward
+    assert all(not s for s in opts["critic"].state.values())
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_one_score_per_sample_passes_as_n_or_n_by_1(flat):
+    model = gan()
+    if flat:
+        model.critic.append(nn.Flatten(0))  # (n,) scores; else (n, 1)
+    history = fit(1, model, GANLoss("wgan"), optimizers(model), DataBunch(loader()),
+                  callbacks=[GANTrainer()])  # fmt: skip
+    assert history[-1]["train_critic"] is not None
+
+
+def test_a_generator_whose_samples_differ_from_the_real_ones_is_named():
+    model = gan()
+    model.generator[2] = nn.Linear(32, 3)  # makes (n, 3) for (n, 2) real samples
+    with pytest.raises(ValueError, match=r"generator made samples of shape \(32, 3\)"):
+        fit(1, model, GANLoss("bce"), optimizers(model), DataBunch(loader()),
+            callbacks=[GANTrainer()])  # fmt: skip
+
+
+def noise_2(n, device):
+    return torch.randn(n, 4, device=device)
+
+
+GEN, CRITIC = nn.Linear(4, 2), nn.Linear(2, 1)
+BAD = [  # (call, error type, match): what a user might pass
+    (lambda: GANTrainer(n_critic="5"), TypeError, r"n_critic must be an int >= 1"),
+    (lambda: GANTrainer(n_critic=2.0), TypeError, r"got 2.0 \(float\)"),
+    (lambda: GANTrainer(n_generator=0), ValueError, r"n_generator must be .*got 0"),
+    (lambda: GANTrainer(n_generator=None), TypeError, "n_generator"),
+    (lambda: GANTrainer(n_critic=True), TypeError, r"got True \(bool\)"),
+    (lambda: GANModule(GEN, CRITIC, noise_size=0), ValueError, r"noise_size.*got 0"),
+    (lambda: GANModule(GEN, CRITIC, noise_size="4"), TypeError, "noise_size"),
+    (lambda: GANModule(GEN, CRITIC, noise_size=4.0), TypeError, r"got 4.0"),
+    (lambda: GANModule(GEN, CRITIC, noise_size=None), TypeError, "noise_size"),
+    (lambda: GANModule(GEN, CRITIC, noise_size=(4, 0)), ValueError, r"got \(4, 0\)"),
+    (lambda: GANModule(GEN, CRITIC, noise_size=()), ValueError, "non-empty tuple"),
+    (lambda: GANModule(GEN, CRITIC, 4, noise="randn"), TypeError, "noise must be"),
+    (lambda: GANModule("gen", CRITIC, 4), TypeError, "generator must be an nn"),
+    (lambda: GANModule(GEN, CRITIC, 4).generate(-1), ValueError, "n must be"),
+    (lambda: GANModule(GEN, CRITIC, 4).generate(2.5), TypeError, "got 2.5"),
+    (lambda: GANModule(GEN, CRITIC, 4).generate("8"), TypeError, "n must be"),
+    (lambda: GANModule(GEN, CRITIC, 4).generate(8, "gpu"), TypeError, "device"),
+    (
+        lambda: GANModule(nn.Linear(4, 4), nn.Unflatten(1, (2, 1, 2)), 4).eval()(
+            torch.rand(3, 4)
+        ),
+        ValueError,
+        r"\(3, 2, 1, 2\).*to 1 channel",
+    ),
+    (lambda: GANLoss("BCE"), ValueError, r"unknown kind 'BCE' \('bce'\?\)"),
+    (lambda: GANLoss(None), TypeError, "kind must be one of"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "match"), BAD)
+def test_every_bad_argument_is_refused_with_the_fix(call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert "Fix:" in str(info.value)
+
+
+def test_numpy_ints_and_tuples_are_accepted_where_ints_are():
+    trainer = GANTrainer(n_critic=np.int64(3), n_generator=np.int32(2))
+    assert (trainer.n_critic, trainer.n_generator) == (3, 2)
+    gan_ = GANModule(GEN, CRITIC, noise_size=np.int64(4), noise=noise_2)
+    assert gan_.noise_size == (4,)
+    assert GANModule(GEN, CRITIC, noise_size=[np.int64(4)]).noise_size == (4,)
+    assert gan_.generate(np.int64(3), device=torch.device("cpu")).shape == (3, 2)
+    assert gan_.generate(0).shape == (0, 2)
+
+
+def test_a_patchgan_map_of_one_channel_is_one_score_map_per_sample():
+    gan = GANModule(nn.Linear(4, 4), nn.Unflatten(1, (1, 2, 2)), 4).eval()
+    out = gan(torch.rand(3, 4))
+    assert out.fake_scores.shape == (3, 1, 2, 2)
+    loss = GANLoss("bce")
+    assert torch.isfinite(loss(out)["loss"])
+
+
+def test_shapes_are_checked_once_per_turn_and_batch_shape(monkeypatch):
+    import fitlib.gan as gan_module
+
+    checks = []
+    same_shape = gan_module._same_shape
+
+    def counted(fake, real):
+        checks.append(1)
+        return same_shape(fake, real)
+
+    monkeypatch.setattr(gan_module, "_same_shape", counted)
+    model = gan()
+    data = DataBunch(loader(), DataLoader(TensorDataset(ring(40, seed=1)), 32))
+    fit(2, model, GANLoss("wgan"), optimizers(model), data, callbacks=[GANTrainer()])
+    # critic and generator turns at (32, 2); validation ("both") at (32, 2), (8, 2)
+    assert len(checks) == 4
+    model.train().mode = "critic"
+    model.critic[2] = nn.Linear(32, 2)  # a new shape is still checked
+    with pytest.raises(ValueError, match=r"returned shape \(5, 2\)"):
+        model(torch.zeros(5, 2))
+
+
+def test_the_trainer_sets_the_active_part_only_when_the_turn_changes():
+    sets = []
+
+    class Spy(MultiOptimizer):
+        @MultiOptimizer.active.setter
+        def active(self, names):
+            sets.append(names)
+            MultiOptimizer.active.fset(self, names)
+
+    model = gan()
+    fit(1, model, GANLoss("wgan"), Spy(optimizers(model)), DataBunch(loader()),
+        callbacks=[GANTrainer(n_critic=5)])  # fmt: skip
+    assert sets == [("critic",), ("generator",), ("critic",), None]  # 8 batches

@@ -3,6 +3,7 @@ grid against the dataset's items, on a TensorDataset and an ImageFolder."""
 
 import math
 from collections import Counter
+from functools import partial
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -330,3 +331,165 @@ def test_show_image_reads_torch_tensors_channels_first_and_refuses_dicts():
     assert ax.images[-1].get_array().shape == (3, 6, 4)
     with pytest.raises(ValueError, match=r"show_image\(x\['image'\], ax\)"):
         show_image({"image": chw, "label": 1}, ax)
+
+
+# -- losses that are not classification losses, scores that are not numbers ----
+@pytest.fixture(scope="module")
+def trained():
+    return digits_learner()[0]
+
+
+def _square_error(out, y):  # broadcasts (N, C) against (N,)
+    return ((out - y) ** 2).mean()
+
+
+@pytest.mark.parametrize(
+    "loss_func",
+    [F.mse_loss, nn.MSELoss(), F.l1_loss, _square_error,
+     partial(F.mse_loss, reduction="none")],
+)  # fmt: skip
+def test_a_loss_that_broadcasts_scores_against_class_indices_is_refused(
+    trained, loss_func
+):
+    learn = trained
+    with pytest.raises(ValueError, match=r"loss_func .*F\.cross_entropy") as info:
+        ClassificationInterpretation.from_learner(learn, loss_func=loss_func)
+    assert "(N, C) scores" in str(info.value) or "(2, 10)" in str(info.value)
+
+
+def test_a_per_item_loss_of_another_shape_is_refused(trained):
+    learn = trained
+
+    def column(out, y):  # (N, 1): one loss per item, in the wrong shape
+        return F.cross_entropy(out, y, reduction="none")[:, None]
+
+    with pytest.raises(ValueError, match=r"loss_func column returned .*\(2, 1\)"):
+        ClassificationInterpretation.from_learner(learn, loss_func=column)
+
+
+def test_classification_losses_of_every_form_give_the_same_per_item_losses(trained):
+    learn = trained
+    preds, targets = learn.get_preds()
+    expected = F.cross_entropy(preds, targets, reduction="none")
+
+    def focal(out, y, gamma=0.0):  # gamma 0: cross-entropy
+        ce = F.cross_entropy(out, y, reduction="none")
+        return ((1 - torch.exp(-ce)) ** gamma * ce).mean()
+
+    for loss_func in (
+        focal,
+        partial(F.cross_entropy, reduction="none"),
+        nn.CrossEntropyLoss(reduction="sum"),
+        lambda out, y: F.nll_loss(out.log_softmax(dim=1), y),
+    ):
+        interp = ClassificationInterpretation.from_learner(learn, loss_func=loss_func)
+        assert torch.allclose(interp.losses, expected, atol=1e-5)
+
+
+def test_nan_or_inf_scores_are_refused_with_the_count():
+    preds, targets = scores_for(PRED, 3), torch.tensor(TRUE)
+    preds[2, 1], preds[5, 0], preds[7] = float("nan"), float("inf"), float("-inf")
+    with pytest.raises(ValueError, match=r"NaN or inf .*3 of 10 items.*item 2"):
+        ClassificationInterpretation(preds, targets)
+    losses = torch.ones(10)
+    losses[4] = float("nan")
+    with pytest.raises(ValueError, match=r"losses .*NaN or inf .*1 of 10 items"):
+        ClassificationInterpretation(scores_for(PRED, 3), targets, losses=losses)
+
+
+# -- every argument, as a user might get it wrong --------------------------------
+def interp_with_items():
+    items = TensorDataset(torch.rand(10, 4, 4), torch.tensor(TRUE))
+    return ClassificationInterpretation(
+        scores_for(PRED, 3), torch.tensor(TRUE), dataset=items
+    )
+
+
+def new(**kwargs):
+    return lambda: ClassificationInterpretation(
+        scores_for(PRED, 3), torch.tensor(TRUE), **kwargs
+    )
+
+
+def method(name, *args, **kwargs):
+    return lambda: getattr(interp_with_items(), name)(*args, **kwargs)
+
+
+BAD = [  # (call, error type, match)
+    (new(classes=["a", "a", "b"]), ValueError, r"\['a'\] appear twice"),
+    (new(dataset="abcdefghij"), TypeError, r"dataset must be the items.*got str"),
+    (new(dataset=5), TypeError, "dataset must be the items"),
+    (new(losses=[1.0] * 10), ValueError, r"losses must be a tensor of shape \(10,\)"),
+    (lambda: ClassificationInterpretation(scores_for(PRED, 3), np.array(TRUE)),
+     TypeError, r"targets must be a tensor.*torch.as_tensor\(targets\)"),
+    (method("top_losses", -1), ValueError, r"top_losses: k must be an int >= 0"),
+    (method("top_losses", "3"), TypeError, r"k must be .*got '3' \(str\)"),
+    (method("top_losses", 2.0), TypeError, r"got 2.0 \(float\)"),
+    (method("most_confused", -3), ValueError, r"min_count must be an int >= 0"),
+    (method("most_confused", None), TypeError, "min_count"),
+    (method("most_confused", "2"), TypeError, r"got '2' \(str\)"),
+    (method("plot_confusion_matrix", normalize="yes"), TypeError,
+     r"normalize must be True or False; got 'yes'"),
+    (method("plot_confusion_matrix", ax="left"), TypeError, "ax must be a matplotlib"),
+    (method("plot_confusion_matrix", cmap=3), TypeError, "cmap must be a matplotlib"),
+    (method("plot_confusion_matrix", figsize=8), TypeError, r"figsize must be \(width"),
+    (method("plot_confusion_matrix", figsize=(8, -1)), ValueError, "both > 0"),
+    (lambda: interp_with_items().plot_confusion_matrix(
+        ax=plt.figure().add_subplot(), figsize=(4, 4)), ValueError,
+     "figsize sizes a new figure"),
+    (method("plot_top_losses", 0), ValueError, r"plot_top_losses: k must be .*>= 1"),
+    (method("plot_top_losses", -1), ValueError, r"k must be an int >= 1"),
+    (method("plot_top_losses", 4, ncols=0), ValueError,
+     r"plot_top_losses: ncols must be an int >= 1; got 0"),
+    (method("plot_top_losses", 4, ncols="3"), TypeError, r"ncols.*got '3'"),
+    (method("plot_top_losses", 4, ncols=2.0), TypeError, r"ncols.*got 2.0"),
+    (method("plot_top_losses", 4, show="image"), TypeError, "show must be a function"),
+    (method("plot_top_losses", 4, figsize=(5,)), ValueError, "figsize must be"),
+    (method("plot_items", [100]), ValueError, r"ints in \[0, 10\); got list \[100\]"),
+    (method("plot_items", 3), TypeError, "indices must be a non-empty list"),
+    (method("plot_items", ["a"]), TypeError, "indices must be"),
+    (method("plot_items", []), ValueError, "non-empty list"),
+    (method("plot_items", [1], ncols=-2), ValueError, "plot_items: ncols"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "match"), BAD)
+def test_every_bad_argument_is_refused_with_the_fix(call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"learn": nn.Linear(2, 3)}, TypeError, "learn must be a fitlib Learner"),
+        ({"dl": "valid"}, TypeError, r"dl must be a loader .*got str 'valid'"),
+        ({"dl": 3}, TypeError, "dl must be a loader"),
+        ({"loss_func": "cross_entropy"}, TypeError, "loss_func must be a loss func"),
+        ({"loss_func": nn.CrossEntropyLoss}, TypeError, r"got the class .*instance"),
+        ({"classes": 10}, TypeError, "classes must be a list of 10 names"),
+    ],
+)
+def test_bad_from_learner_arguments_are_refused_with_the_fix(
+    trained, kwargs, error, match
+):
+    kwargs = {"learn": trained} | kwargs
+    with pytest.raises(error, match=match) as info:
+        ClassificationInterpretation.from_learner(**kwargs)
+    assert "Fix:" in str(info.value)
+
+
+def test_numpy_ints_tensors_of_indices_and_figsize_are_accepted():
+    interp = interp_with_items()
+    assert interp.most_confused(np.int64(2)) == [(0, 1, 2)]
+    assert (
+        interp.top_losses(np.int32(3))[1].tolist() == interp.top_losses(3)[1].tolist()
+    )
+    axes = interp.plot_items(torch.tensor([1, 2]), ncols=np.int64(2), figsize=(6, 3))
+    assert axes.shape == (1, 2)
+    assert tuple(axes[0, 0].figure.get_size_inches()) == (6, 3)
+    axes = interp.plot_items(np.array([0, -1]))  # numpy indices, and from the end
+    assert axes[0, 1].get_title().startswith("0 / 0")  # item 9: predicted 0, true 0
+    ax = interp.plot_confusion_matrix(normalize=False, figsize=(5, 4))
+    assert tuple(ax.figure.get_size_inches()) == (5, 4)

@@ -5,6 +5,7 @@ import warnings
 from functools import partial
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 from helpers import make_dataset
@@ -448,3 +449,61 @@ def test_weight_decay_on_a_part_without_it_names_the_part():
 def test_layer_groups_naming_no_part_shows_a_groups_example():
     with pytest.raises(ValueError, match=r"layer_groups=\{'encoder': \[body, head\]\}"):
         learner(layer_groups={"head": []})
+
+
+# -- every argument, as a user might get it wrong --------------------------------
+def multi():
+    model = EncDec()
+    return MultiOptimizer(two_opts(model)), model
+
+
+def set_attr(name, value):
+    return lambda: setattr(multi()[0], name, value)
+
+
+BAD = [  # (call, error type, match)
+    (lambda: MultiOptimizer({}), ValueError, r"parts .*empty.*got \{\}"),
+    (lambda: MultiOptimizer(None), TypeError, r"non-empty dict.*got None"),
+    (lambda: MultiOptimizer({"encoder": torch.optim.SGD}), TypeError,
+     r"part 'encoder' must be .*got the class SGD"),
+    (lambda: MultiOptimizer({"encoder": None}), TypeError, r"part 'encoder'.*None"),
+    (lambda: MultiOptimizer({"": torch.optim.SGD(EncDec().parameters())}), TypeError,
+     "part names .* must be non-empty strings"),
+    (set_attr("lr", {}), ValueError, r"lr: the dict by part is empty"),
+    (set_attr("lr", {"encoder": None}), TypeError, r"lr\['encoder'\].*got None"),
+    (set_attr("lr", {"encoder": "1e-3"}), TypeError, r"lr\['encoder'\].*'1e-3'"),
+    (set_attr("mom", {"decoder": 2.0}), ValueError, r"mom\['decoder'\].*\[0, 1\)"),
+    (set_attr("wd", {"encoder": -1.0}), ValueError, r"wd\['encoder'\].*>= 0"),
+    (set_attr("lr", {"head": 0.1}), ValueError, r"names no part \['head'\]"),
+    (set_attr("active", ("head",)), ValueError, r"active.*no part 'head'"),
+    (set_attr("active", "encoder"), TypeError, r"active=\('encoder',\)"),
+    (set_attr("active", ()), ValueError, r"active.*empty"),
+    (lambda: multi()[0].zero_grad("no"), TypeError, "set_to_none must be True or"),
+    (lambda: multi()[0].set_lr({}), ValueError, r"lr: the dict by part is empty"),
+    (lambda: multi()[0].scale("lr", {"encoder": None}), TypeError,
+     r"lr\['encoder'\]"),
+    (lambda: learner(opt_func={"": torch.optim.Adam}), TypeError,
+     r"part names .* must be non-empty.*opt_func=torch.optim.Adam"),
+    (lambda: learner(opt_func={1: torch.optim.Adam}), TypeError,
+     r"part names .* must be non-empty strings, .*got 1 \(int\)"),
+    (lambda: learner().fit(1, lr={}), ValueError, r"lr: the dict by part is empty"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "match"), BAD)
+def test_every_bad_argument_is_refused_with_the_fix(call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert "Fix:" in str(info.value)
+
+
+def test_numpy_numbers_and_0_dim_tensors_are_accepted_per_part():
+    opt, _ = multi()
+    opt.lr = {"encoder": np.float64(0.5), "decoder": torch.tensor(0.25)}
+    assert opt.lr == [0.5, 0.25]
+    opt.active = ["decoder"]  # a list of part names, kept as a tuple
+    assert opt.active == ("decoder",)
+    opt.active = None
+    learn = learner()
+    learn.fit(1, lr={"encoder": np.float32(0.5), "decoder": torch.tensor(0.25)})
+    assert learn.opt.lr == [0.5, 0.25]

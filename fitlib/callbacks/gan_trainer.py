@@ -52,6 +52,7 @@ class GANTrainer(Callback):
         self._gan: GANModule | None = None
         self._grad: dict[int, bool] = {}  # requires_grad as the fit found it
         self._turn: str | None = None
+        self._opt: Any = None  # the optimizer whose active part was set
 
     def turn(self, step: int) -> str:
         """Whose turn optimizer step ``step`` (0-based) is."""
@@ -87,10 +88,10 @@ class GANTrainer(Callback):
         if gan is not self._gan:
             self.on_train_begin(model, opt)
         turn = self.turn(step)
-        opt.active = (turn,)
-        self._gan.mode = turn
-        if turn != self._turn:
-            self._turn = turn
+        if turn != self._turn or opt is not self._opt:  # (not every batch)
+            self._turn, self._opt = turn, opt
+            opt.active = (turn,)
+            self._gan.mode = turn
             other = "generator" if turn == "critic" else "critic"
             for p in getattr(self._gan, other).parameters():
                 p.requires_grad_(False)
@@ -104,7 +105,7 @@ class GANTrainer(Callback):
             return
         for p in self._gan.parameters():
             p.requires_grad_(self._grad.get(id(p), p.requires_grad))
-        self._gan.mode, self._gan, self._turn = None, None, None
+        self._gan.mode, self._gan, self._turn, self._opt = None, None, None, None
         if hasattr(opt, "active"):
             opt.active = None
 
