@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fitlib.callback import Callback
+from fitlib.checks import check_path
 from fitlib.record import Record
 from fitlib.serialization import atomic_write
 from fitlib.tracking import check_state_keys
@@ -208,12 +209,8 @@ def _column(header: list[str], name: str) -> int | None:
 
 
 def _check_path(path: Any) -> Path:
-    if not isinstance(path, (str, os.PathLike)) or str(path) == "":
-        raise TypeError(
-            f"CSVLogger: path must be a file path (str or os.PathLike); got "
-            f"{path!r} ({type(path).__name__}). Fix: e.g. CSVLogger('logs/run.csv')."
-        )
-    path = Path(path)
+    fix = "'logs/run.csv'"
+    path = check_path(path, "path", owner="CSVLogger", what="a file path", example=fix)
     if path.is_dir():
         raise ValueError(
             f"CSVLogger: path {str(path)!r} is a directory; it must name a file. "

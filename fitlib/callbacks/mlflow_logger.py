@@ -4,25 +4,42 @@ MLflow tracking store (a server, a SQLite file or a folder)."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fitlib.callback import Callback
-from fitlib.checks import check_int
+from fitlib.checks import check_flag, check_int
 from fitlib.errors import name_of
 from fitlib.record import Record, batch_size
-from fitlib.tracking import last_lr, optimizer_params, read_into
+from fitlib.tracking import (
+    check_mlflow_name,
+    check_mlflow_names,
+    check_mlflow_server,
+    check_mlflow_store,
+    check_mlflow_tags,
+    directory_id,
+    last_lr,
+    mlflow_store_failure,
+    mlflow_uri,
+    optimizer_params,
+    process_gone,
+    process_place,
+    read_into,
+)
 
 # What a resumed fit needs (run, step offset, the interval in progress).
 _STATE_KEYS = ("run_id", "base", "epoch_base", "fits", "interval", "last_point")
 _HYPERS = ("lr", "mom", "wd", "beta")
+# The tags naming the experiment run: its Checkpoint directory's id (the key),
+# and the directory's path (for people: another machine may have the same one).
+_KEY_TAG, _DIR_TAG = "fitlib.checkpoint_dir_id", "fitlib.checkpoint_dir"
+_OWN_TAGS = ("fitlib.version", "torch.version", "device", _KEY_TAG, _DIR_TAG,
+             "fitlib.host", "fitlib.pid", "fitlib.pid_namespace",
+             "fitlib.restarts", "fitlib.restarted_as")  # fmt: skip
 
 
 class MLflowLogger(Callback):
@@ -50,11 +67,42 @@ class MLflowLogger(Callback):
     A fit resumed by ``Checkpoint`` goes on in the same run (its id is in
     the checkpoint): the points the interrupted process logged after the
     checkpoint, which the exact resume computes again, are not logged twice.
-    The run ends FINISHED, FAILED after an error, KILLED after Ctrl-C (a
-    process killed outright leaves it RUNNING until a resume finishes it).
+    The run ends FINISHED, FAILED after an error, KILLED after Ctrl-C.
+
+    A process killed outright (SIGKILL, out of memory) cannot end its run.
+    With a ``Checkpoint`` among the callbacks the run is tagged
+    ``fitlib.checkpoint_dir_id``, a random id made once in the directory
+    (``.fitlib.run_id``, under the directory's lock): the experiment run's
+    key, so a directory at the same path on another machine, or one made
+    anew where an old one was moved aside, is another experiment run. It is
+    also tagged ``fitlib.checkpoint_dir`` (the path, for people),
+    ``fitlib.host`` and ``fitlib.pid`` (and, on Linux, the pid namespace).
+    The rerun, resuming or not, marks KILLED each RUNNING run with its key
+    whose process is surely dead: of this host (and pid namespace), and its
+    pid exists no more (tagged ``fitlib.restarted_as`` with the new run's
+    id; the new run ``fitlib.restarts``), and says so. A RUNNING run with
+    its key that it cannot prove dead (another host: a shared directory on
+    a network file system whose lock does not reach it; a live pid; Windows,
+    where nothing is locked) is left RUNNING, with a warning naming it and
+    how to end it. Killed after a checkpoint, the rerun goes on in the run
+    of the checkpoint; killed before the first one, it trains again from
+    step 0 in a new run rather than adopting the left one: MLflow can take
+    back neither the points the dead process logged (its steps would hold
+    two values each, different ones unless the fit is seeded) nor a
+    parameter (the rerun may have new settings, and without a checkpoint
+    nothing compares them), so the left run is closed as what it is, a
+    killed attempt, as after Ctrl-C. Without a ``Checkpoint`` nothing tells
+    a dead process's run from a live one: it stays RUNNING (end it with
+    ``MlflowClient().set_terminated(run_id, "KILLED")``).
     With ``log_checkpoints`` the newest checkpoint and ``best.pth`` of a
     ``Checkpoint`` among the callbacks are logged as artifacts at the end.
     Under ``torch.distributed`` rank 0 alone logs.
+
+    Arguments are checked as the logger is made, the store and what
+    depends on the fit as training begins (before any batch): a store MLflow
+    cannot open (an unknown scheme, a file that is not a database, a folder
+    given as one, a path through a file) gets a ValueError naming the URI,
+    what failed and the fix.
 
     Args:
         tracking_uri: ``http://host:port`` of an ``mlflow server``,
@@ -64,10 +112,13 @@ class MLflowLogger(Callback):
             ``MLFLOW_ALLOW_FILE_STORE=true``.
         experiment: the experiment's name (created if missing).
         run_name: the run's name (None: MLflow picks one).
-        params: more parameters (name -> value, shown as text).
-        tags: more tags (name -> text).
+        params: more parameters (name -> value, shown as text); names MLflow
+            takes, none that fitlib logs itself (``lr``, ``epochs``...).
+        tags: more tags (name -> text, at most 8,000 characters); none of
+            fitlib's own (``fitlib.*``, ``torch.version``, ``device``).
         every_n_steps: optimizer steps between two ``step/`` points.
-        log_checkpoints: log the final and best checkpoints as artifacts.
+        log_checkpoints: log the final and best checkpoints of the fit's
+            ``Checkpoint`` (one must be among the callbacks) as artifacts.
 
     Example:
         >>> mlf = MLflowLogger("http://127.0.0.1:5000", experiment="digits",
@@ -92,19 +143,20 @@ class MLflowLogger(Callback):
     ) -> None:
         mlflow = _mlflow()
         uri = mlflow.get_tracking_uri() if tracking_uri is None else tracking_uri
-        self.tracking_uri = _as_uri(uri)
-        if not isinstance(experiment, str) or not experiment:
-            raise TypeError(
-                f"MLflowLogger: experiment must be a non-empty str; got "
-                f"{experiment!r}. Fix: e.g. MLflowLogger(experiment='digits')."
-            )
-        self.experiment, self.run_name = experiment, run_name
-        self.params = _check_mapping(params, "params")
-        self.tags = _check_mapping(tags, "tags")
+        self.tracking_uri = mlflow_uri(uri)
+        self.experiment = check_mlflow_name(experiment, "experiment", "'digits'")
+        self.run_name = check_mlflow_name(run_name, "run_name", "'resnet-1'", none=True)
+        self.params = check_mlflow_names(params, "params")
+        self.tags = check_mlflow_tags(check_mlflow_names(tags, "tags"), _OWN_TAGS)
         self.every_n_steps = check_int(
             every_n_steps, "every_n_steps", minimum=1, owner=self.name, example=50
         )
-        self.log_checkpoints = log_checkpoints
+        self.log_checkpoints = check_flag(
+            log_checkpoints,
+            "log_checkpoints",
+            self.name,
+            f"{self.name}(log_checkpoints=True)",
+        )
         self.client: Any = None
         self.run_id: str | None = None
         self._base = 0  # global step where this fit began (earlier fits' steps)
@@ -119,18 +171,25 @@ class MLflowLogger(Callback):
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, iteration: int, step: int, **state: Any) -> None:
-        """Runs before training: checks the store, starts or reopens the run."""
+        """Runs before training: checks the store, starts or reopens the run,
+        closes the run a killed process of this experiment run left."""
+        ckpt = next((cb for cb in state["callbacks"] if _is_checkpoint(cb)), None)
+        self._check_fit(state, ckpt)
+        # (Checkpoint, order -100, holds its directory's lock: the id is made once)
+        tags = process_place() if ckpt is None else {**process_place(), **_key(ckpt)}
         self.client = self._connect()
         self._logged = (-1, -1)
         if iteration > 0 and self.run_id is not None:
-            self._reopen()  # Checkpoint restored our state: the run goes on
+            self._reopen(tags)  # Checkpoint restored our state: the run goes on
             self._logged = self._last_logged()
+            self._close_left_runs(tags)
             self._fitting = True
             return
         if self.run_id is None:
-            self._start_run(state["model"])
+            self._start_run(state["model"], tags)
+            self._close_left_runs(tags)
         else:  # a later fit of this logger: its steps count on
-            self._reopen()
+            self._reopen(tags)
             self._base, self._epoch_base = self._done
             self._last_point = self._base
         self._fits += 1
@@ -195,16 +254,13 @@ class MLflowLogger(Callback):
         """A client of the store, checked now: before any training."""
         uri = self.tracking_uri
         if uri.startswith(("http://", "https://")):
-            _check_server(uri)
-        client = _mlflow().tracking.MlflowClient(tracking_uri=uri)
+            check_mlflow_server(uri)
+        check_mlflow_store(uri)  # MLflow would retry a bad file for minutes
         try:
+            client = _mlflow().tracking.MlflowClient(tracking_uri=uri)
             found = client.get_experiment_by_name(self.experiment)
         except Exception as e:
-            raise ValueError(
-                f"MLflowLogger: the tracking store {uri!r} cannot be read ({e}). "
-                "Fix: pass a tracking_uri that works, e.g. 'sqlite:///mlflow.db', "
-                "a folder, or the address of a running mlflow server."
-            ) from e
+            raise ValueError(mlflow_store_failure(uri, e)) from e
         if found is not None and found.lifecycle_stage == "deleted":
             raise ValueError(
                 f"MLflowLogger: the experiment {self.experiment!r} in {uri!r} is "
@@ -217,9 +273,11 @@ class MLflowLogger(Callback):
         )
         return client
 
-    def _reopen(self) -> None:
+    def _reopen(self, tags: dict) -> None:
+        """Sets the run RUNNING again, tagged with this process's place."""
         try:
             self.client.update_run(self.run_id, status="RUNNING")
+            self._send(tags=[_mlflow().entities.RunTag(k, v) for k, v in tags.items()])
         except Exception as e:
             raise ValueError(
                 f"MLflowLogger: the run {self.run_id} (of the checkpoint, or of "
@@ -228,13 +286,33 @@ class MLflowLogger(Callback):
                 "afresh (Checkpoint(resume=False), or a new MLflowLogger)."
             ) from e
 
-    def _start_run(self, model: Any) -> None:
+    def _check_fit(self, state: dict, ckpt: Any) -> None:
+        """Refuses, before any run starts, what this fit's settings contradict."""
+        if self.log_checkpoints and ckpt is None:
+            raise ValueError(
+                "MLflowLogger: log_checkpoints=True logs a Checkpoint's files, but "
+                "this fit has no Checkpoint among its callbacks. Fix: add one, "
+                "e.g. callbacks=[Checkpoint('runs/exp1'), logger], or pass "
+                "log_checkpoints=False."
+            )
+        auto = _auto_params(state)
+        taken = sorted(set(self.params) & set(auto))
+        if taken:
+            raise ValueError(
+                f"MLflowLogger: params {taken} are parameters fitlib logs itself "
+                f"(from the fit: {auto[taken[0]]!r} for "
+                f"{taken[0]!r}); yours would replace them. Fix: give yours other "
+                f"names, e.g. params={{'my.{taken[0]}': ...}}."
+            )
+
+    def _start_run(self, model: Any, place: dict) -> None:
         import fitlib
 
         tags = {
             "fitlib.version": fitlib.__version__,
             "torch.version": torch.__version__,
             "device": _device(model),
+            **place,
             **self.tags,
         }
         run = self.client.create_run(
@@ -242,6 +320,64 @@ class MLflowLogger(Callback):
         )
         self.run_id = run.info.run_id
         self._base = self._last_point = 0
+
+    def _close_left_runs(self, tags: dict) -> None:
+        """Marks KILLED the runs of this experiment run (its Checkpoint
+        directory's id) left RUNNING by a process of this machine that has
+        ended (killed outright); warns of those whose process may be alive."""
+        key = tags.get(_KEY_TAG)
+        if key is None:
+            return
+        left = [
+            run
+            for run in self._running_runs()
+            if run.data.tags.get(_KEY_TAG) == key and run.info.run_id != self.run_id
+        ]
+        dead = [r.info.run_id for r in left if _surely_ended(r.data.tags, tags)]
+        for run_id in dead:
+            self.client.set_tag(run_id, "fitlib.restarted_as", self.run_id)
+            self.client.set_terminated(run_id, "KILLED")
+        if dead:
+            self.client.set_tag(self.run_id, "fitlib.restarts", ", ".join(dead))
+            print(
+                f"fitlib: MLflowLogger: run {', '.join(dead)} of {tags[_DIR_TAG]!r} "
+                "was left RUNNING by a process of this machine killed before it "
+                "could end it, and no checkpoint resumes it: marked KILLED. This "
+                f"fit logs to run {self.run_id}.",
+                file=sys.stderr,
+            )
+        alive = [r for r in left if r.info.run_id not in dead]
+        if alive:
+            self._warn_alive(alive, tags[_DIR_TAG])
+
+    def _warn_alive(self, runs: list, where: str) -> None:
+        named = ", ".join(
+            f"{r.info.run_id} (host {r.data.tags.get('fitlib.host')!r}, pid "
+            f"{r.data.tags.get('fitlib.pid')})"
+            for r in runs
+        )
+        print(
+            f"fitlib: MLflowLogger: warning: run {named} of this checkpoint "
+            f"directory ({where!r}) is RUNNING and its process may be alive: left "
+            "RUNNING (only a process of this machine whose pid is gone is known "
+            "dead; two live fits in one directory overwrite each other's files). "
+            f"This fit logs to run {self.run_id}. If that process has ended, end "
+            f"its run: MlflowClient({self.tracking_uri!r}).set_terminated(run_id, "
+            "'KILLED').",
+            file=sys.stderr,
+        )
+
+    def _running_runs(self) -> list:
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs(
+                [self._experiment_id], "attributes.status = 'RUNNING'",
+                max_results=1000, page_token=token,
+            )  # fmt: skip
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs
 
     def _last_logged(self) -> tuple[int, int]:
         """The last step of each kind of point the store holds for the run."""
@@ -283,18 +419,19 @@ class MLflowLogger(Callback):
     def _read(self) -> None:
         read_into(self._interval, self._unread)
 
-    def _send(self, metrics: list = (), params: list = ()) -> None:
-        # MLflow takes at most 1,000 metrics and 100 params per call.
-        metrics, params = list(metrics), list(params)
-        while metrics or params:
+    def _send(self, metrics: list = (), params: list = (), tags: list = ()) -> None:
+        # MLflow takes at most 1,000 metrics, 100 params and 100 tags per call.
+        metrics, params, tags = list(metrics), list(params), list(tags)
+        while metrics or params or tags:
             self.client.log_batch(
-                self.run_id, metrics=metrics[:1000], params=params[:100]
-            )
-            metrics, params = metrics[1000:], params[100:]
+                self.run_id, metrics=metrics[:1000], params=params[:100],
+                tags=tags[:100],
+            )  # fmt: skip
+            metrics, params, tags = metrics[1000:], params[100:], tags[100:]
 
     def _log_checkpoints(self, callbacks: list) -> None:
         for cb in callbacks:
-            if not (hasattr(cb, "checkpoints") and hasattr(cb, "dirpath")):
+            if not _is_checkpoint(cb):
                 continue
             best = Path(cb.dirpath) / "best.pth"
             for path in [*cb.checkpoints()[-1:], *([best] if best.exists() else [])]:
@@ -351,49 +488,26 @@ def _mlflow() -> Any:
     return mlflow
 
 
-def _as_uri(uri: Any) -> str:
-    if isinstance(uri, str) and re.fullmatch(r"[\w.-]+:\d+/?", uri):
-        raise ValueError(
-            f"MLflowLogger: tracking_uri={uri!r} has no scheme. Fix: "
-            f"'http://{uri}' for a server, or 'sqlite:///mlflow.db' for a file."
-        )
-    if isinstance(uri, os.PathLike) or (
-        isinstance(uri, str) and uri and "://" not in uri and ":" not in uri[1:3]
-    ):
-        return Path(uri).resolve().as_uri()  # a folder: MLflow's file store
-    if not isinstance(uri, str) or not uri:
-        raise TypeError(
-            f"MLflowLogger: tracking_uri must be a str or a path; got {uri!r}. "
-            "Fix: e.g. 'http://127.0.0.1:5000' or 'sqlite:///mlflow.db'."
-        )
-    return uri
+def _is_checkpoint(cb: Any) -> bool:
+    return hasattr(cb, "checkpoints") and hasattr(cb, "dirpath")
 
 
-def _check_server(uri: str) -> None:
-    """Asks the server's /health, briefly: MLflow's client would retry for
-    minutes before failing."""
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as r:
-            r.read()
-    except urllib.error.HTTPError:
-        return  # it answered (a proxy without /health, a login page...)
-    except (urllib.error.URLError, OSError) as e:
-        raise ValueError(
-            f"MLflowLogger: no MLflow server answers at {uri!r} ({e}). Fix: start "
-            "it (mlflow server --host 127.0.0.1 --port 5000) or pass another "
-            "tracking_uri, e.g. 'sqlite:///mlflow.db' for a local file."
-        ) from e
+def _key(ckpt: Any) -> dict:
+    """The tags naming the experiment run: its Checkpoint directory's id (made
+    once in it, so another directory at the same path has another) and path."""
+    return {
+        _KEY_TAG: directory_id(Path(ckpt.dirpath)),
+        _DIR_TAG: str(Path(ckpt.dirpath).resolve()),
+    }
 
 
-def _check_mapping(values: Any, name: str) -> dict:
-    if values is None:
-        return {}
-    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
-        raise TypeError(
-            f"MLflowLogger: {name} must be a dict of str names; got {values!r}. "
-            f"Fix: e.g. {name}={{'dropout': 0.3}}."
-        )
-    return dict(values)
+def _surely_ended(tags: dict, here: dict) -> bool:
+    """Whether the process a run's ``tags`` name has ended: one of this
+    machine (host and pid namespace) whose pid no longer exists."""
+    same = all(
+        tags.get(k) == here.get(k) for k in ("fitlib.host", "fitlib.pid_namespace")
+    )
+    return same and process_gone(tags.get("fitlib.pid"))
 
 
 def _auto_params(state: dict) -> dict:

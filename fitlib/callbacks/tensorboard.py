@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.checks import check_int
+from fitlib.checks import check_int, check_path
 from fitlib.record import Record, batch_size
 from fitlib.tracking import last_lr as _last_lr
 from fitlib.tracking import optimizer_params, read_into
@@ -277,16 +277,12 @@ def _auto_hparams(
 
 
 def _check_log_dir(log_dir: Any) -> str:
-    if not isinstance(log_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"log_dir must be a path (str or os.PathLike); got {log_dir!r} "
-            f"({type(log_dir).__name__}). Fix: e.g. TensorBoardLogger('runs/exp1')."
-        )
-    path = os.fspath(log_dir)
+    owner, where, fix = "TensorBoardLogger", "a directory path", "'runs/exp1'"
+    path = str(check_path(log_dir, "log_dir", owner=owner, what=where, example=fix))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(
-            f"log_dir {path!r} exists and is not a directory. Fix: pass a "
-            "directory path (one per run), e.g. 'runs/exp1'."
+            f"TensorBoardLogger: log_dir {path!r} exists and is not a directory. "
+            "Fix: pass a directory path (one per run), e.g. 'runs/exp1'."
         )
     return path
 

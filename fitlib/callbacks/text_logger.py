@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
+from fitlib.errors import ArgTypeError
 from fitlib.record import Record, batch_size, to_floats
 from fitlib.tracking import (
     RunningLoss,
@@ -186,13 +187,19 @@ def _epoch_line(record: Record) -> str:
 def _as_logger(logger: Any) -> logging.Logger:
     if isinstance(logger, logging.Logger):
         return logger
-    if isinstance(logger, str) and logger:
-        return logging.getLogger(logger)
-    raise TypeError(
-        f"TextLogger: logger must be a logging.Logger or a logger's name (a "
-        f"non-empty str); got {logger!r} ({type(logger).__name__}). Fix: e.g. "
-        "TextLogger('fitlib') or TextLogger(logging.getLogger(__name__))."
-    )
+    if not isinstance(logger, str):
+        raise ArgTypeError(
+            f"TextLogger: logger must be a logging.Logger or a logger's name (a "
+            f"str); got {logger!r} ({type(logger).__name__}). Fix: e.g. "
+            "TextLogger('fitlib') or TextLogger(logging.getLogger(__name__))."
+        )
+    if not logger.strip():  # '' would quietly be the root logger
+        raise ValueError(
+            f"TextLogger: logger must be a logger's name, not empty or blank; got "
+            f"{logger!r} (str). Fix: e.g. TextLogger('fitlib'), or "
+            "TextLogger('root') for the root logger."
+        )
+    return logging.getLogger(logger)
 
 
 def _as_level(level: Any) -> int:

@@ -387,7 +387,7 @@ def test_every_n_steps_must_be_a_positive_int(tmp_path, every):
 
 
 def test_log_dir_must_be_a_path_and_not_a_file(tmp_path):
-    with pytest.raises(TypeError, match="log_dir must be a path"):
+    with pytest.raises(TypeError, match="log_dir must be a directory path"):
         TensorBoardLogger(123)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):

@@ -269,10 +269,18 @@ def test_every_n_steps_must_be_a_positive_int(n):
         TextLogger(every_n_steps=n)
 
 
-@pytest.mark.parametrize("logger", [3, "", None])
+@pytest.mark.parametrize("logger", [3, None])
 def test_logger_must_be_a_logger_or_a_name(logger):
     with pytest.raises(TypeError, match=r"logger must be a logging\.Logger"):
         TextLogger(logger)
+
+
+@pytest.mark.parametrize("logger", ["", "  "])
+def test_an_empty_logger_name_is_a_value_error_not_the_root_logger(logger):
+    with pytest.raises(ValueError, match="logger's name, not empty") as info:
+        TextLogger(logger)
+    assert not isinstance(info.value, TypeError)
+    assert "TextLogger('root') for the root logger" in str(info.value)
 
 
 @pytest.mark.parametrize("level", ["LOUD", -1, 2.5])
