@@ -3,6 +3,11 @@
 Every example has ``main(epochs, batch_size, n, progress, seed)`` that trains
 and returns its ``Learner``; ``python examples/<name>.py --help`` lists the
 arguments, with the example's own defaults.
+
+``--threads`` (default 1) sets torch's CPU threads before training: the
+README's figures are at one thread, and the same seed gives other numbers with
+another thread count (a sum split over more threads rounds differently, and
+training carries the difference on).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import argparse
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def positive(text: str) -> int:
@@ -48,20 +55,32 @@ def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
         default=seed,
         help=f"seeds data, weights, order (default: {seed})",
     )
+    parser.add_argument(
+        "--threads",
+        type=positive,
+        default=1,
+        help="torch CPU threads (default: 1, as the README's figures were run; "
+        "another count gives other numbers)",
+    )
     for name, default in defaults.items():  # an example's own switches
         if isinstance(default, bool) and name != "progress":
             flag = "--" + name.replace("_", "-")
             parser.add_argument(flag, action="store_true", help=f"{name} (off)")
-    return vars(parser.parse_args())
+    parsed = vars(parser.parse_args())
+    torch.set_num_threads(parsed.pop("threads"))
+    return parsed
 
 
 def result_line(name: str, learn: Any, metric: str) -> str:
     """The losses of the first and the last epoch, the last value of
-    ``metric``, and the seconds the fit's epochs took (the Recorder's)."""
+    ``metric``, the seconds the fit's epochs took (the Recorder's) and the
+    number of torch threads (the figures depend on it)."""
     table = learn.recorder.epoch_table()
     first, last = table[0], table[-1]
+    threads = torch.get_num_threads()
     return (
         f"{name}: train_loss {first['train_loss']:.4f} -> {last['train_loss']:.4f}, "
         f"valid_loss {first['valid_loss']:.4f} -> {last['valid_loss']:.4f}, "
-        f"{metric} {last[metric]:.4f}, {sum(learn.recorder.times):.1f} seconds"
+        f"{metric} {last[metric]:.4f}, {sum(learn.recorder.times):.1f} seconds "
+        f"on {threads} thread{'s' if threads > 1 else ''}"
     )

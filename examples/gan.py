@@ -171,5 +171,6 @@ if __name__ == "__main__":
         f"{name}: modes {first['modes']} -> {last['modes']} of {N_MODES}, quality "
         f"{first['quality']:.2f} -> {last['quality']:.2f}, critic loss "
         f"{last['train_critic']:.3f}, generator loss {last['train_generator']:.3f}, "
-        f"{sum(learn.recorder.times):.1f} seconds"
+        f"{sum(learn.recorder.times):.1f} seconds on {torch.get_num_threads()} "
+        f"thread{'s' if torch.get_num_threads() > 1 else ''}"
     )

@@ -23,9 +23,9 @@ Run it:
     python examples/resnet18_augment.py [--epochs N] [--batch-size B] [--n N] [--seed S]
 
 ``--n`` keeps only the first N digits (for quick tests). The defaults (2
-epochs, batch size 64) reach about 97% validation accuracy (97.2% with seed
-0) in about 45 seconds of training on an idle 2-core CPU (53 seconds in all,
-2026-11-26); a third epoch adds little. Other jobs sharing the cores slow
+epochs, batch size 64, one thread) reach about 96% validation accuracy (96.4%
+with seed 0 on one thread; 97.2% on two) in about 30 seconds of training on an
+idle 2-core CPU; a third epoch adds little. Other jobs sharing the cores slow
 torch's threads down several times.
 """
 

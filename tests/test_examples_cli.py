@@ -20,7 +20,7 @@ def test_an_example_takes_its_arguments_and_prints_its_result_line():
     number = r"([-\d.]+)"
     pattern = (
         rf"linear_regression: train_loss {number} -> {number}, valid_loss "
-        rf"{number} -> {number}, r2_score {number}, {number} seconds"
+        rf"{number} -> {number}, r2_score {number}, {number} seconds on 1 thread"
     )
     found = re.fullmatch(pattern, line)
     assert found, line
@@ -34,3 +34,13 @@ def test_help_lists_each_examples_own_defaults():
     text = " ".join(done.stdout.split())
     assert "LeNet" in text and "--epochs EPOCHS" in text
     assert "(default: 10)" in text and "(default: 64)" in text
+
+
+def test_threads_sets_torchs_threads_and_the_result_line_says_how_many():
+    one = run("linear_regression.py", "--epochs", "2", "--n", "600")
+    two = run("linear_regression.py", "--epochs", "2", "--n", "600", "--threads", "2")
+    assert one.returncode == two.returncode == 0, one.stderr[-2000:] + two.stderr
+    assert one.stdout.strip().endswith("seconds on 1 thread")
+    assert two.stdout.strip().endswith("seconds on 2 threads")
+    bad = run("linear_regression.py", "--threads", "0")
+    assert bad.returncode == 2 and "must be an int >= 1" in bad.stderr
