@@ -193,12 +193,13 @@ class Learner:
         wds = _by_part(self.wd)
         check_hyper("wd", list(wds.values()), wd, fix="Learner(..., wd=1e-2)")
         self.true_wd = true_wd
-        for name, flag in (("train_bn", train_bn), ("progress", progress)):
-            if not isinstance(flag, bool):  # 'no' would be truthy: bars anyway
-                raise TypeError(
-                    f"Learner: {name} must be True or False; got {flag!r} "
-                    f"({type(flag).__name__}). Fix: e.g. Learner(..., {name}=False)."
-                )
+        # 'no' would be truthy (bars anyway): flags are bools
+        train_bn = check_flag(
+            train_bn, "train_bn", "Learner", "Learner(..., train_bn=False)"
+        )
+        progress = check_flag(
+            progress, "progress", "Learner", "Learner(..., progress=False)"
+        )
         self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
         self.part_groups = _part_groups(model, self.opt_func, layer_groups)
         self._wd(wd)  # a dict by part names every part

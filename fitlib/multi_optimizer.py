@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fitlib.checks import check_flag
 from fitlib.errors import ArgTypeError
 from fitlib.optim import (
     _FIX,
@@ -132,12 +133,10 @@ class MultiOptimizer(HyperParams):
             self.parts[name].step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not isinstance(set_to_none, bool):  # 'no' would be taken as True
-            raise ArgTypeError(
-                f"MultiOptimizer.zero_grad: set_to_none must be True or False; "
-                f"got {set_to_none!r} ({type(set_to_none).__name__}). Fix: e.g. "
-                "zero_grad(set_to_none=False)."
-            )
+        set_to_none = check_flag(  # 'no' would be taken as True
+            set_to_none, "set_to_none", "MultiOptimizer.zero_grad",
+            "zero_grad(set_to_none=False)",
+        )  # fmt: skip
         for part in self.parts.values():
             part.zero_grad(set_to_none=set_to_none)
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F  # noqa: N812
 from torch.nn.utils.rnn import pad_sequence
 
-from fitlib.errors import ArgTypeError
+from fitlib.checks import check_flag
 from fitlib.metrics.functions import check_index, class_rows
 
 
@@ -53,13 +53,10 @@ class PadCollate:
         self.ignore_index = check_index(
             ignore_index, "ignore_index", "PadCollate", "-100", False
         )
-        if not isinstance(teacher_forcing, bool):
-            raise ArgTypeError(
-                f"PadCollate: teacher_forcing must be True or False; got "
-                f"{teacher_forcing!r} ({type(teacher_forcing).__name__}). Fix: "
-                "e.g. PadCollate(teacher_forcing=True)."
-            )
-        self.teacher_forcing = teacher_forcing
+        self.teacher_forcing = check_flag(
+            teacher_forcing, "teacher_forcing", "PadCollate",
+            "PadCollate(teacher_forcing=True)",
+        )  # fmt: skip
 
     def __call__(self, items: list) -> tuple:
         xs, ys = self._split(items)

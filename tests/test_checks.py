@@ -126,6 +126,53 @@ def test_one_check_flag_serves_the_package(tmp_path):
     assert Checkpoint(tmp_path, resume=np.False_).resume is False
 
 
+def _flag_owners(tmp_path):
+    import torch
+    from helpers import make_data, make_model
+    from torch.nn import functional as F  # noqa: N812
+
+    from fitlib import Learner, MultiOptimizer
+    from fitlib.callbacks import EarlyStopping
+    from fitlib.sequences import PadCollate
+
+    def zero_grad(flag):
+        model = make_model()
+        opt = MultiOptimizer({"all": torch.optim.SGD(model.parameters(), lr=0.1)})
+        opt.zero_grad(set_to_none=flag)
+        return opt
+
+    return {
+        "EarlyStopping: restore_best": lambda f: EarlyStopping(restore_best=f),
+        "CSVLogger: append": lambda f: CSVLogger(tmp_path / "a.csv", append=f),
+        "PadCollate: teacher_forcing": lambda f: PadCollate(teacher_forcing=f),
+        "Learner: progress": lambda f: Learner(
+            make_data(), make_model(), F.cross_entropy, progress=f
+        ),
+        "Learner: train_bn": lambda f: Learner(
+            make_data(), make_model(), F.cross_entropy, train_bn=f
+        ),
+        "MultiOptimizer.zero_grad: set_to_none": zero_grad,
+    }
+
+
+@pytest.mark.parametrize(
+    "owner",
+    [
+        "EarlyStopping: restore_best",
+        "CSVLogger: append",
+        "PadCollate: teacher_forcing",
+        "Learner: progress",
+        "Learner: train_bn",
+        "MultiOptimizer.zero_grad: set_to_none",
+    ],
+)
+def test_every_flag_takes_numpy_bools_and_refuses_truthy_strings(owner, tmp_path):
+    make = _flag_owners(tmp_path)[owner]
+    make(np.False_)  # a config tool's bool is a bool
+    with pytest.raises(ArgTypeError, match=rf"{owner} must be True or False; got 'no'"):
+        make("no")
+
+
 # -- check_path ------------------------------------------------------------------
 def test_check_path_takes_a_str_or_a_path_like():
     assert check_path("runs/a", "dirpath", example="'runs/a'") == Path("runs/a")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fitlib.callback import Callback
-from fitlib.checks import check_path
+from fitlib.checks import check_flag, check_path
 from fitlib.record import Record
 from fitlib.serialization import atomic_write
 from fitlib.tracking import check_state_keys
@@ -67,13 +67,10 @@ class CSVLogger(Callback):
     def __init__(self, path: str | os.PathLike, append: bool = True) -> None:
         self.path = _check_path(path)
         _check_writable(self.path)
-        if not isinstance(append, bool):
-            raise TypeError(
-                f"CSVLogger: append must be True or False; got {append!r} "
-                f"({type(append).__name__}). Fix: append=True keeps the rows "
-                "already in the file, append=False starts a new file."
-            )
-        self.append = append
+        # append=True keeps the rows already in the file, False starts anew.
+        self.append = check_flag(
+            append, "append", "CSVLogger", "CSVLogger(path, append=True)"
+        )
         self.columns: list[str] = []
         self._first_row: int | None = None  # where this fit's rows start
         self._heading = False  # the fit's first row is still to come

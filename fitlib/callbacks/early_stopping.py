@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.checks import check_int
+from fitlib.checks import check_flag, check_int
 from fitlib.errors import is_number
 from fitlib.monitor import Monitor
 from fitlib.serialization import host_copy
@@ -108,13 +108,12 @@ class EarlyStopping(Callback):
             start_from_epoch, "start_from_epoch", owner=self.name, example=0
         )
         self.baseline = _check_baseline(baseline)
-        if not isinstance(restore_best, bool):
-            raise TypeError(
-                f"EarlyStopping: restore_best must be True or False; got "
-                f"{restore_best!r}. Fix: restore_best=True to load the best "
-                "weights at the end."
-            )
-        self.restore_best = restore_best
+        self.restore_best = check_flag(
+            restore_best,
+            "restore_best",
+            self.name,
+            "EarlyStopping(..., restore_best=True)",
+        )
         self._fitting = False  # between this fit's on_train_begin and end
         self._stopped_now = False  # stopped in this fit: print at its end
         self._at_step: int | None = None  # the step of the record being counted
