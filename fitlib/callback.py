@@ -392,13 +392,18 @@ def call_hook(cb: Callback, event: str, **state: Any) -> dict | None:
             f"exception). Fix: pass state keys among {', '.join(STATE_KEYS)}."
         )
     if unknown:
-        more = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
-        fix = f"pass state keys among them{more}."
+        fix = f"pass state keys among them{_and_others(unknown)}."
         raise ValueError(
             unknown_name("call_hook", "state key", unknown[0], STATE_KEYS, fix)
         )
     base = CallbackHandler().state | {"train": False}  # as after on_train_begin
     return _caller(cb, event)(base | extra | state)
+
+
+def _and_others(unknown: list[str]) -> str:
+    """`` (and 'b', 'c')``: the unknown names after the first, which the
+    message names (``unknown_name``); "" when there is one."""
+    return f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
 
 
 def _caller(cb: Callback, event: str) -> Hook:
@@ -414,6 +419,12 @@ def callback_list(callbacks: Iterable[Any] | Callback | None) -> list[Callback]:
         [Recorder(order=50)]
     """
     return _check_callbacks([] if callbacks is None else callbacks)
+
+
+def inner_callback(cb: Callback) -> Callback:
+    """The callback a filter (``every``, ``once``) wraps, or ``cb`` itself:
+    whose attributes (``sets_hypers``, ``in_lr_find``, ...) say what it does."""
+    return getattr(cb, "callback", cb)
 
 
 def _check_callbacks(callbacks: Iterable[Any] | Callback) -> list[Callback]:
@@ -530,7 +541,7 @@ def _not_writable(cb: Callback, event: str, key: str | None) -> str:
 def _check_hyper_owners(callbacks: list[Callback]) -> None:
     owners: dict[str, Callback] = {}
     for cb in callbacks:
-        inner = getattr(cb, "callback", cb)  # a filter (every, once) wraps one
+        inner = inner_callback(cb)
         for name in getattr(inner, "sets_hypers", ()):
             clash = [n for n in owners if _same_hyper(n, name)]
             if clash:
@@ -627,6 +638,8 @@ class CallbackHandler:
         self._begun = False  # on_train_begin has run
         self._not_given: list[str] = []  # what on_train_begin was not given
         self._record_step = False  # records carry their step (see on_train_begin)
+        # The class dims in force before on_train_begin (put back at its end).
+        self._outer_class_dims: dict | None = None
         self.state["callbacks"] = list(self.callbacks)
         self.tally = self.state["tally"] = EpochTally()
         # The records of the epochs ended so far (``fit`` returns them).
@@ -721,7 +734,7 @@ class CallbackHandler:
             )
         unknown = sorted(map(str, update.keys() - _VALID_KEYS))
         if unknown:
-            more = f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+            more = _and_others(unknown)
             fix = f"return only state keys{more} (WRITABLE: when each is read)."
             owner = f"{cb.name}.{event}"
             raise ValueError(
@@ -981,7 +994,7 @@ class CallbackHandler:
         failed: then it becomes a note on that exception, which propagates.
         """
         self._graph = None  # the last step's (see on_batch_end)
-        swap_class_dims(getattr(self, "_outer_class_dims", None))
+        swap_class_dims(self._outer_class_dims)
         failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:

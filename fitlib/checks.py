@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import os
 import weakref
 from collections.abc import Iterable, Iterator
@@ -27,7 +26,7 @@ from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import Dataset, IterableDataset
 
-from fitlib.errors import ArgTypeError, add_note, describe, is_number, name_of
+from fitlib.errors import ArgTypeError, add_note, describe, is_int, is_number, name_of
 
 # Losses that compare output and target element by element: shapes must match.
 _ELEMENTWISE = (
@@ -78,7 +77,7 @@ def check_int(
     if value is None and allow_none:
         return None
     rule, example = f"an int >= {minimum}", minimum if example is None else example
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise ArgTypeError(_refusal(name, rule, value, owner, example, allow_none))
     if value < minimum:
         raise ValueError(_refusal(name, rule, value, owner, example, allow_none))
@@ -546,6 +545,15 @@ def takes_probabilities(loss_func: Any) -> bool:
     """Whether ``loss_func`` is ``binary_cross_entropy`` (a function, a
     ``partial`` or ``nn.BCELoss``): its input is a probability, not a logit."""
     return _is(loss_func, (F.binary_cross_entropy,), (nn.BCELoss,))
+
+
+def takes_logits(loss_func: Any) -> bool:
+    """Whether ``loss_func`` is ``binary_cross_entropy_with_logits`` (a
+    function, a ``partial`` or ``nn.BCEWithLogitsLoss``): its input is a
+    logit of one score per target."""
+    return _is(
+        loss_func, (F.binary_cross_entropy_with_logits,), (nn.BCEWithLogitsLoss,)
+    )
 
 
 def ignore_index_of(loss_func: Any) -> int:

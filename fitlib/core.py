@@ -36,7 +36,6 @@ from fitlib.metrics import Metrics
 from fitlib.multi_optimizer import MultiOptimizer, as_optimizer
 from fitlib.optim import HPOptimizer
 from fitlib.record import (  # noqa: F401 (to_floats: here before)
-    Record,
     RunningLoss,
     batch_size,
     first_tensor,

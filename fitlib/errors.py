@@ -85,6 +85,11 @@ def is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def is_int(x: Any) -> bool:
+    """An int (Python's or numpy's), not a bool: what counts are checked with."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def did_you_mean(name: Any, choices: Iterable[str], cutoff: float = 0.6) -> str:
     """`` (did you mean 'x'?)`` for the choice closest to ``name``, or ``""``.
 

@@ -11,7 +11,6 @@ the same fakes.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib.checks import check_int
-from fitlib.errors import ArgTypeError
+from fitlib.errors import ArgTypeError, is_int
 
 MODES = ("critic", "generator", "both")
 
@@ -180,9 +179,7 @@ def _noise_size(size: Any) -> tuple[int, ...]:
     """``noise_size`` as a tuple of ints >= 1, or an error saying the fix."""
     if not isinstance(size, tuple | list):
         return (check_int(size, "noise_size", minimum=1, owner="GANModule", example=8),)
-    ints = all(
-        isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in size
-    )
+    ints = all(is_int(d) for d in size)
     if size and ints and min(size) >= 1:
         return tuple(int(d) for d in size)
     raise (ValueError if ints else ArgTypeError)(
@@ -227,8 +224,9 @@ def _scores_message(scores: Any, n: int) -> str:
     )
 
 
-def _same_shape(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """``fake``, if it has the real samples' shape (the critic scores both)."""
+def _same_shape(fake: torch.Tensor, real: torch.Tensor) -> None:
+    """Refuses a ``fake`` without the real samples' shape (the critic scores
+    both)."""
     if not isinstance(fake, torch.Tensor) or fake.shape != real.shape:
         got = (
             f"of shape {tuple(fake.shape)}"
@@ -241,7 +239,6 @@ def _same_shape(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
             "both. Fix: make the generator's output the shape of one real "
             "sample (and noise(n, device) give n samples)."
         )
-    return fake
 
 
 def _device(device: Any) -> torch.device:

@@ -9,7 +9,6 @@ show it all (matplotlib imported when a plot is made).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from fitlib import plots
 # Not values of the model: where a record is, and the run's settings.
 _PLACE = ("epoch", "step", "lr", "time")
 _SHOWN = 3  # values in the repr; table() has them all
-_NA = "#na#"  # a value not computed (validation skipped), as in the bar's table
+NA = "#na#"  # a value not computed (validation skipped), here and in the bar's table
 
 
 class History(list):
@@ -68,7 +67,7 @@ class History(list):
         if not self:
             return ""
         names = list(dict.fromkeys(name for record in self for name in record))
-        rows = [names] + [[_cell(n, record.get(n)) for n in names] for record in self]
+        rows = [names] + [[cell(n, record.get(n)) for n in names] for record in self]
         widths = [max(8, *(len(row[i]) for row in rows)) for i in range(len(names))]
         lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
         return "\n".join(line.rstrip() for line in lines)
@@ -93,10 +92,7 @@ class History(list):
             )
         inside = "step" in self[0]
         x = [record["step" if inside else "epoch"] for record in self]
-        panels: dict[str, dict[str, list]] = {}
-        for name in _value_names(self):
-            values = [_number(record.get(name)) for record in self]
-            panels.setdefault(_panel_of(name), {})[name] = values
+        panels = plots.metric_panels(_value_names(self), self)
         unit = "step" if inside else "epoch"
         return plots.per_epoch(ax, x, panels, "History.plot", xlabel=unit)
 
@@ -117,32 +113,28 @@ def _change(history: list[dict], name: str) -> str:
     return f"{name} {values[0]:.4g} -> {values[-1]:.4g}"
 
 
-def _panel_of(name: str) -> str:
-    """``train_x`` and ``valid_x`` are drawn with ``x``; the losses together."""
-    for prefix in ("train_", "valid_"):
-        if name.startswith(prefix) and len(name) > len(prefix):
-            return name[len(prefix) :]
-    return name
+def cell(name: str, value: Any) -> str:
+    """A record value as a table shows it (``History.table`` and
+    ``ProgressBar``'s): ``#na#`` when not computed, ``epoch`` and ``step`` as
+    ints, ``time`` as a clock, ``lr`` in exponent form, a number to 6 decimals.
 
-
-def _number(value: Any) -> float:
-    return math.nan if value is None else value
-
-
-def _cell(name: str, value: Any) -> str:
+    Example:
+        >>> cell("time", 75.2), cell("accuracy", 0.5), cell("valid_loss", None)
+        ('01:15', '0.500000', '#na#')
+    """
     if value is None:
-        return _NA
+        return NA
     if name in ("epoch", "step"):
         return str(value)
     if name == "time":
-        return _clock(value)
+        return clock(value)
     if name == "lr":  # from 1e-7 on: in exponent form
         return f"{value:.2e}"
     return f"{value:.6f}" if isinstance(value, (int, float)) else str(value)
 
 
-def _clock(seconds: float) -> str:
-    """``mm:ss``, or ``h:mm:ss`` past an hour."""
+def clock(seconds: float) -> str:
+    """``mm:ss``, or ``h:mm:ss`` past an hour (``75.2`` -> ``'01:15'``)."""
     s = int(seconds)
     h, m = s // 3600, s // 60 % 60
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m:02d}:{s % 60:02d}"

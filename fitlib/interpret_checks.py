@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitlib.checks import check_int, len_or_none, loss_check
-from fitlib.errors import ArgTypeError, is_number, name_of
+from fitlib.checks import len_or_none, loss_check
+from fitlib.errors import ArgTypeError, is_int, is_number, name_of
 
 FIX_LOSS = (
     "Fix: use a classification loss, such as loss_func=F.cross_entropy "
@@ -44,20 +44,21 @@ def check_classes(classes: Any, dataset: Any, n_classes: int) -> list:
             f"{describe_arg(classes)}. Fix: e.g. classes=['cat', 'dog', ...], in "
             "the order of the model's outputs."
         )
-    if len(classes) != n_classes:
+    names = list(classes)
+    if len(names) != n_classes:
         raise ValueError(
-            f"{where}: {len(classes)} names ({list(classes)[:12]}) for "
+            f"{where}: {len(names)} names ({names[:12]}) for "
             f"{n_classes} scores per item. Fix: pass {n_classes} names, in the "
             "order of the model's outputs."
         )
-    twice = [c for i, c in enumerate(classes) if c in list(classes)[:i]]
+    twice = [c for i, c in enumerate(names) if c in names[:i]]
     if twice:
         raise ValueError(
-            f"{where}: the names {twice} appear twice in {list(classes)[:12]}, so "
+            f"{where}: the names {twice} appear twice in {names[:12]}, so "
             "two classes could not be told apart. Fix: one distinct name per "
             "class, in the order of the model's outputs."
         )
-    return list(classes)
+    return names
 
 
 def check_preds_targets(
@@ -372,9 +373,5 @@ def check_indices(indices: Any, n: int) -> list[int]:
 
 
 def check_int_like(i: Any) -> bool:
-    """An int (numpy's too), not a bool."""
-    try:
-        check_int(i, "i", minimum=-(2**63))
-    except ValueError:
-        return False
-    return True
+    """An int (numpy's too), not a bool, >= -2**63."""
+    return is_int(i) and i >= -(2**63)

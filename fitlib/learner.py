@@ -26,7 +26,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib import metrics as fm
 from fitlib import ranks
-from fitlib.callback import Callback, CallbackHandler, callback_list
+from fitlib.callback import Callback, CallbackHandler, callback_list, inner_callback
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.channels_last import ChannelsLast, check_convolutional
 from fitlib.callbacks.compile import Compile
@@ -200,7 +200,7 @@ class Learner:
         progress = check_flag(
             progress, "progress", "Learner", "Learner(..., progress=False)"
         )
-        self.path, self.train_bn, self.progress = _check_path(path), train_bn, progress
+        self.path, self.train_bn, self.progress = path, train_bn, progress
         self.part_groups = _part_groups(model, self.opt_func, layer_groups)
         self._wd(wd)  # a dict by part names every part
         # Every part's layer groups, in part order: freeze_to counts them.
@@ -563,11 +563,11 @@ class Learner:
         fix = f"learn.load({str(name)!r}, with_opt=False)"
         with_opt = check_flag(with_opt, "with_opt", "Learner.load", fix)
         path = self._file(name)
-        odd = not_a_file(path)
-        if odd not in (None, "does not exist"):  # (safe_load says "save() first")
+        # (a missing file: safe_load says "save() first")
+        if not path.is_file() and (path.is_symlink() or path.exists()):
             raise ValueError(
-                f"Learner.load: {str(path)!r} {odd}, not a file that save() "
-                "wrote. Fix: name the file, or move that entry out of the way."
+                f"Learner.load: {str(path)!r} {not_a_file(path)}, not a file that "
+                "save() wrote. Fix: name the file, or move that entry out of the way."
             )
         state = safe_load(path, map_location=model_device(self.model))
         if not isinstance(state, dict) or "model" not in state:
@@ -1118,12 +1118,12 @@ def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> No
 
 def _in_lr_find(cb: Callback) -> bool:
     """Whether ``cb`` (or the callback a filter wraps) takes part in a sweep."""
-    return getattr(getattr(cb, "callback", cb), "in_lr_find", True)
+    return getattr(inner_callback(cb), "in_lr_find", True)
 
 
 def _in_evaluation(cb: Callback) -> bool:
     """Whether ``cb`` (or the callback a filter wraps) shapes evaluation."""
-    return getattr(getattr(cb, "callback", cb), "in_evaluation", False)
+    return getattr(inner_callback(cb), "in_evaluation", False)
 
 
 def _is_dist(cb: Callback) -> bool:

@@ -134,23 +134,31 @@ class Monitor:
                 f"{bare!r} is computed on the validation set only. Fix: add it "
                 f"to train_metrics=[...] (Learner or fit), or monitor={bare!r}."
             )
-        part = self.name.startswith(("train_", "valid_")) and parts is None
-        slip = _slip(self.name, known) if part else None
-        hint = did_you_mean(self.name, [slip] if slip else known, 0 if slip else 0.6)
-        if self.name not in known and (slip or not part):
-            raise ValueError(
-                f"{self.owner}: monitor={self.name!r} is not computed in this "
-                f"fit{hint}; the names that exist are {self._known}. Fix: pass "
-                "one of them, or add the metric to metrics=[...] (or "
-                "train_metrics=[...]); a callback that adds a value lists it in "
-                "its record_names, a loss that returns a dict its part_names."
-            )
+        if self.name not in known:
+            self._refuse_unknown(known, parts)
         validated = self.name in ("valid_loss", *metric_names)
         if (validated or self.name.startswith("valid_")) and _lacks_validation(data):
             raise ValueError(
                 f"{self.owner}: monitor={self.name!r} needs validation, but "
                 "data.valid_dl is None, so it would never be computed. Fix: "
                 "pass a valid_dl, or monitor='train_loss'."
+            )
+
+    def _refuse_unknown(self, known: list[str], parts: Any) -> None:
+        """Raises for a name not in ``known``, unless it may be a part of a
+        loss whose parts are not declared (``part_names``) and is no slip."""
+        part = self.name.startswith(("train_", "valid_")) and parts is None
+        slip = _slip(self.name, known) if part else None
+        if slip or not part:
+            hint = did_you_mean(
+                self.name, [slip] if slip else known, 0 if slip else 0.6
+            )
+            raise ValueError(
+                f"{self.owner}: monitor={self.name!r} is not computed in this "
+                f"fit{hint}; the names that exist are {self._known}. Fix: pass "
+                "one of them, or add the metric to metrics=[...] (or "
+                "train_metrics=[...]); a callback that adds a value lists it in "
+                "its record_names, a loss that returns a dict its part_names."
             )
 
     def read(self, record: dict | None) -> float | None:

@@ -133,10 +133,11 @@ class MultiOptimizer(HyperParams):
             self.parts[name].step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        set_to_none = check_flag(  # 'no' would be taken as True
-            set_to_none, "set_to_none", "MultiOptimizer.zero_grad",
-            "zero_grad(set_to_none=False)",
-        )  # fmt: skip
+        if set_to_none is not True:  # (per batch: the default goes unchecked)
+            set_to_none = check_flag(  # 'no' would be taken as True
+                set_to_none, "set_to_none", "MultiOptimizer.zero_grad",
+                "zero_grad(set_to_none=False)",
+            )  # fmt: skip
         for part in self.parts.values():
             part.zero_grad(set_to_none=set_to_none)
 

@@ -74,6 +74,18 @@ def per_epoch(
     return axes if len(axes) > 1 else axes[0]
 
 
+def metric_panels(names: list[str], rows: list[dict]) -> dict[str, dict[str, list]]:
+    """``{panel: {name: values}}`` for ``per_epoch``: each name's values over
+    ``rows`` (NaN, a gap, where a row lacks it or holds None), ``train_x`` and
+    ``valid_x`` in the panel of ``x`` (or of each other), in the order of
+    ``names``."""
+    panels: dict[str, dict[str, list]] = {}
+    for name in names:
+        values = [_number(row.get(name)) for row in rows]
+        panels.setdefault(_panel_of(name), {})[name] = values
+    return panels
+
+
 def lr_find(ax: Any, result: dict, skip_start: int, skip_end: int) -> Any:
     """An LR finder sweep (``{"lrs", "losses", "suggestions"}``): the loss
     against the lr on a log axis, ends left out, the spike clipped, every
@@ -90,6 +102,19 @@ def lr_find(ax: Any, result: dict, skip_start: int, skip_end: int) -> Any:
     if result["suggestions"]:
         ax.legend()
     return ax
+
+
+def _panel_of(name: str) -> str:
+    """The panel of a value: ``train_x`` and ``valid_x`` go with ``x`` (or
+    with each other), anything else is its own."""
+    for prefix in ("train_", "valid_"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _number(value: Any) -> Any:
+    return math.nan if value is None else value
 
 
 def _pyplot() -> Any:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fitlib.callback import Callback
+from fitlib.callback import Callback, inner_callback
 from fitlib.checks import check_int
 from fitlib.core import len_or_none
 from fitlib.file_errors import DamagedFileError
@@ -120,7 +120,7 @@ def run_signature(
     length."""
     schedules = {}
     for cb in callbacks:
-        inner = getattr(cb, "callback", cb)  # a filter wraps one
+        inner = inner_callback(cb)
         for name in getattr(inner, "sets_hypers", ()):
             schedules[name] = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(inner))
     return {
@@ -397,15 +397,23 @@ def numbered(dirpath: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_files(dirpath: Path) -> list[Path]:
+    """The regular files named ``checkpoint-<number>.pth`` in ``dirpath``,
+    oldest first (not a directory or dangling link bearing such a name)."""
+    return [p for _, p in numbered(dirpath) if p.is_file()]
+
+
 def not_a_file(path: Path) -> str | None:
     """Why ``path`` is no file to load (``"is a directory"``...), or None."""
     if path.is_file():
         return None
+    if path.is_dir():  # (a link to one too)
+        return "is a directory"
+    if path.exists():
+        return "is not a regular file"
     if path.is_symlink():
         return "is a symbolic link to a missing file"
-    if path.is_dir():
-        return "is a directory"
-    return "is not a regular file" if path.exists() else "does not exist"
+    return "does not exist"
 
 
 def read_checkpoint(path: Path, newest: int) -> dict:
@@ -462,14 +470,14 @@ def why_unloadable(error: Exception, path: Path) -> str:
 
 def listing(dirpath: Path) -> str:
     """The checkpoint files in ``dirpath``, for messages."""
-    names = [p.name for _, p in numbered(dirpath) if p.is_file()]
+    names = [p.name for p in checkpoint_files(dirpath)]
     names += ["best.pth"] if (dirpath / "best.pth").is_file() else []
     return ", ".join(names) if names else "none"
 
 
 def _example(dirpath: Path) -> str:
     """A checkpoint's name to show in a message: the newest there, if any."""
-    names = [p.name for _, p in numbered(dirpath) if p.is_file()]
+    names = [p.name for p in checkpoint_files(dirpath)]
     return names[-1] if names else "checkpoint-000040.pth"
 
 

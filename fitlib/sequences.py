@@ -109,18 +109,20 @@ class PadCollate:
 
 
 def _as_tensor(value: object, i: int, name: str) -> Tensor:
-    """Item ``i``'s ``x`` or ``y`` as a tensor; str tokens are refused."""
-    words = [value] if isinstance(value, str) else value
-    if isinstance(words, (list, tuple)) and any(isinstance(w, str) for w in words):
-        raise TypeError(
-            f"PadCollate: item {i}'s {name} holds str tokens ({value!r:.60}); it "
-            "pads token ids (ints). Fix: map the tokens to ids in the dataset, "
-            "e.g. [vocab[w] for w in words] with vocab = {w: i for i, w in "
-            "enumerate(sorted(set(all_words)), start=1)} (0 left for padding)."
-        )
+    """Item ``i``'s ``x`` or ``y`` as a tensor; str tokens are refused (torch
+    refuses them too: they are looked for only then, not in every batch)."""
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as e:
+        words = [value] if isinstance(value, str) else value
+        if isinstance(words, (list, tuple)) and any(isinstance(w, str) for w in words):
+            raise TypeError(
+                f"PadCollate: item {i}'s {name} holds str tokens ({value!r:.60}); "
+                "it pads token ids (ints). Fix: map the tokens to ids in the "
+                "dataset, e.g. [vocab[w] for w in words] with vocab = {w: i for i, "
+                "w in enumerate(sorted(set(all_words)), start=1)} (0 left for "
+                "padding)."
+            ) from None
         raise TypeError(
             f"PadCollate: item {i}'s {name} is {type(value).__name__}, which is "
             f"no sequence of numbers ({e}). Fix: make the dataset return "

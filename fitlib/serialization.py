@@ -56,7 +56,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with (
-        _replacing(path, "wb", None, size=lambda: tensor_bytes(obj)) as f,
+        atomic_write(path, "wb", size=lambda: tensor_bytes(obj)) as f,
         _checksums_on(),
     ):
         torch.save(obj, f)
@@ -78,25 +78,28 @@ def _checksums_on() -> Iterator[None]:
 
 @contextmanager
 def atomic_write(
-    path: str | os.PathLike, mode: str = "wb", newline: str | None = None
+    path: str | os.PathLike,
+    mode: str = "wb",
+    newline: str | None = None,
+    *,
+    size: Any = None,
 ) -> Iterator[IO]:
     """A file to write that replaces ``path`` only once it is complete (and
     on disk); an error inside the ``with`` leaves ``path`` as it was (a write
     that fails, e.g. on a full disk, raises ``SaveError`` naming ``path``).
 
+    Args:
+        path: the file to write.
+        mode: ``open``'s mode ("wb", or "w" for text).
+        newline: ``open``'s newline, for text.
+        size: None, or a function returning how many bytes the save needs
+            (named by the ``SaveError`` of a full disk).
+
     Example:
         >>> with atomic_write("log.csv", "w", newline="") as f:
         ...     csv.writer(f).writerows(rows)
     """
-    with _replacing(Path(path), mode, newline) as f:
-        yield f
-
-
-@contextmanager
-def _replacing(
-    path: Path, mode: str, newline: str | None, size: Any = None
-) -> Iterator[IO]:
-    """``atomic_write``'s work; ``size()`` says how many bytes the save needs."""
+    path = Path(path)
     tmp = None
     try:
         tmp, fd = _new_temporary(path)  # (tmp stays None if it fails)
@@ -281,7 +284,7 @@ def check_model_state(model: torch.nn.Module, state: dict, source: str) -> None:
             "that fitlib saved (Learner.save or Checkpoint)."
         )
     own = unwrap(model).state_dict()
-    state = plain_keys(state, model)
+    state = plain_keys(state, own.keys())
     missing = sorted(own.keys() - state.keys())
     unexpected = sorted(state.keys() - own.keys())
     mismatched = [

@@ -20,7 +20,7 @@ calls these functions together. Without a sharded model they are the plain
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any
 
 import torch
@@ -121,12 +121,12 @@ def _is_compiled(model: nn.Module) -> bool:
     return isinstance(model, OptimizedModule)
 
 
-def plain_keys(state: dict, model: nn.Module) -> dict:
+def plain_keys(state: dict, own: Set) -> dict:
     """``state`` with the wrappers' prefixes (``module.``, ``_orig_mod.``)
     taken off its keys, for a state saved from a wrapped model by an earlier
     fitlib: a prefix goes only while every key has it and the keys do not
-    already match ``model``'s (whose own submodule may be named ``module``)."""
-    own = unwrap(model).state_dict().keys()
+    already match ``own``, the plain model's state keys (its own submodule
+    may be named ``module``)."""
     while state and state.keys() != own:
         prefix = next(
             (p for p in _PREFIXES if all(str(k).startswith(p) for k in state)), None
@@ -153,8 +153,8 @@ def load_model(model: nn.Module, state: dict) -> None:
     takes rank 0's ``state`` (the other ranks may pass ``{}``), each rank
     keeping its slice of every tensor. A wrapped model loads into its plain
     model, and the keys may carry the wrappers' prefixes (``plain_keys``)."""
-    state = plain_keys(state, model)
     model = unwrap(model)
+    state = plain_keys(state, model.state_dict().keys())
     if not is_sharded(model):
         model.load_state_dict(state)
         return

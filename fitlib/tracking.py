@@ -27,7 +27,7 @@ from fitlib.errors import ArgTypeError
 
 # RunningLoss and step_lr live with the epoch record; imported from here too.
 from fitlib.record import RunningLoss, step_lr, to_floats  # noqa: F401
-from fitlib.serialization import optimizer_identity
+from fitlib.serialization import _new_temporary, optimizer_identity
 
 
 class TrainClock:
@@ -316,9 +316,7 @@ def directory_id(dirpath: Path) -> str:
 
 def _create_id(path: Path) -> None:
     """Writes a new id to ``path`` atomically, never over an existing one."""
-    tmp = path.with_name(f"{RUN_ID_FILE}.{uuid.uuid4().hex[:12]}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o666)
+    tmp, fd = _new_temporary(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(uuid.uuid4().hex + "\n")
@@ -332,7 +330,7 @@ def _create_id(path: Path) -> None:
             if not os.path.lexists(path):
                 os.replace(tmp, path)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def _read_id(path: Path) -> str:

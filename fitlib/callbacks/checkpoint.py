@@ -126,6 +126,7 @@ from fitlib.resume import (
     check_callbacks,
     check_interval,
     check_writable,
+    checkpoint_files,
     final_position,
     give_states,
     listing,
@@ -428,7 +429,7 @@ class Checkpoint(Callback):
     def checkpoints(self) -> list[Path]:
         """The regular checkpoint files in ``dirpath``, oldest first (not a
         directory or dangling link bearing such a name)."""
-        return [p for _, p in numbered(self.dirpath) if p.is_file()]
+        return checkpoint_files(self.dirpath)
 
     def _save(self, where: Position) -> None:
         # Numbered after the newest entry, whichever run wrote it (and after
@@ -669,12 +670,13 @@ class Checkpoint(Callback):
         """Refuses, before training, a ``best.pth`` that is no file to replace
         (a directory); a dangling link is simply replaced."""
         path = self.dirpath / "best.pth"
-        odd = not_a_file(path) if self.save_best else None
-        if odd in ("is a directory", "is not a regular file"):
+        if not self.save_best or path.is_symlink() or not path.exists():
+            return
+        if not path.is_file():
             raise ValueError(
-                f"Checkpoint: {str(path)!r} {odd}, so the best checkpoint cannot "
-                f"be written there. Fix: move it out of {str(self.dirpath)!r}, or "
-                "Checkpoint(..., save_best=False)."
+                f"Checkpoint: {str(path)!r} {not_a_file(path)}, so the best "
+                "checkpoint cannot be written there. Fix: move it out of "
+                f"{str(self.dirpath)!r}, or Checkpoint(..., save_best=False)."
             )
 
     def _resume_epoch(self, data: Any) -> dict | None:
@@ -739,12 +741,12 @@ def _same(a: Path, b: Path) -> bool:
 def _newer(dirpath: Path, named: Path) -> list[Path]:
     """The checkpoints in ``dirpath`` saved after ``named``: numbered after
     it when it is one of them, else modified after it."""
-    files = [p for _, p in numbered(dirpath) if p.is_file()]
+    files = [(n, p) for n, p in numbered(dirpath) if p.is_file()]
     match = CHECKPOINT_NAME.fullmatch(named.name)
-    if match and any(_same(p, named) for p in files):
-        return [p for p in files if int(p.stem[11:]) > int(match[1])]
+    if match and any(_same(p, named) for _, p in files):
+        return [p for n, p in files if n > int(match[1])]
     since = named.stat().st_mtime_ns
-    return [p for p in files if p.stat().st_mtime_ns > since]
+    return [p for _, p in files if p.stat().st_mtime_ns > since]
 
 
 def _say(message: str) -> None:

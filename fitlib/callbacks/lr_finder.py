@@ -328,10 +328,9 @@ def sweep_problems(
 
 
 def _no_fall(c: _Landmarks, lrs: list[float], num_it: int, mom: Any) -> str:
-    low, where = c.losses[c.low], "diverging" if c.diverged else "the sweep ended"
-    moved = lrs[c.moved]
+    low, moved = c.losses[c.low], lrs[c.moved]
     return (
-        f"lr_find: the loss never fell: its lowest value before {where} "
+        f"lr_find: the loss never fell: its lowest value before {_end(c)} "
         f"({low:.4g}, at lr {lrs[c.low]:.2g}) is less than {FELL:.0%} below its "
         f"start ({c.start:.4g}), so the sweep shows no valley. valley "
         f"({moved / 10:.2g}) is a guess, a tenth of the lr at which the loss "
@@ -342,11 +341,10 @@ def _no_fall(c: _Landmarks, lrs: list[float], num_it: int, mom: Any) -> str:
 
 
 def _cliff(c: _Landmarks, lrs: list[float], num_it: int, mom: Any) -> str:
-    where = "diverging" if c.diverged else "the sweep ended"
     fixes = _no_fall_fixes(c, lrs, num_it, mom)
     return (
         f"lr_find: the loss fell only {c.fall / abs(c.start):.1%} before "
-        f"{where} (from {c.start:.4g} to {c.losses[c.low]:.4g}, at lr "
+        f"{_end(c)} (from {c.start:.4g} to {c.losses[c.low]:.4g}, at lr "
         f"{lrs[c.low]:.2g}), less than {DEEP:g} times the noise of a step's "
         f"loss ({c.noise:.2g}): the edge of a cliff, not a valley (the model "
         "breaks as it starts to learn). valley "
@@ -355,6 +353,11 @@ def _cliff(c: _Landmarks, lrs: list[float], num_it: int, mom: Any) -> str:
         f"{lrs[c.low] / 10:.2g}) may need many more epochs to leave the "
         f"plateau. Check a short fit at both, or {'; or '.join(fixes)}."
     )
+
+
+def _end(c: _Landmarks) -> str:
+    """How the sweep's useful part ended, for a message."""
+    return "diverging" if c.diverged else "the sweep ended"
 
 
 def _no_fall_fixes(c: _Landmarks, lrs: list[float], num_it: int, mom: Any) -> list:

@@ -328,11 +328,7 @@ class MLflowLogger(Callback):
         key = tags.get(_KEY_TAG)
         if key is None:
             return
-        left = [
-            run
-            for run in self._running_runs()
-            if run.data.tags.get(_KEY_TAG) == key and run.info.run_id != self.run_id
-        ]
+        left = [r for r in self._running_runs(key) if r.info.run_id != self.run_id]
         dead = [r.info.run_id for r in left if _surely_ended(r.data.tags, tags)]
         for run_id in dead:
             self.client.set_tag(run_id, "fitlib.restarted_as", self.run_id)
@@ -367,13 +363,14 @@ class MLflowLogger(Callback):
             file=sys.stderr,
         )
 
-    def _running_runs(self) -> list:
+    def _running_runs(self, key: str) -> list:
+        """The experiment's RUNNING runs of the checkpoint directory ``key``."""
+        query = f"attributes.status = 'RUNNING' and tags.`{_KEY_TAG}` = '{key}'"
         runs, token = [], None
         while True:
             page = self.client.search_runs(
-                [self._experiment_id], "attributes.status = 'RUNNING'",
-                max_results=1000, page_token=token,
-            )  # fmt: skip
+                [self._experiment_id], query, max_results=1000, page_token=token
+            )
             runs.extend(page)
             token = page.token
             if not token:

@@ -21,9 +21,8 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import len_or_none
+from fitlib.history import cell
 from fitlib.record import HostCopy, Record
-
-_NA = "#na#"
 
 
 class ProgressBar(Callback):
@@ -116,7 +115,7 @@ class ProgressBar(Callback):
         columns = [k for k in record if k != "lr"]
         if not self.rows:
             self._write(columns)
-        self._write([_cell(k, record[k]) for k in columns])
+        self._write([cell(k, record[k]) for k in columns])
         if mid_epoch:  # a validation inside the epoch: its training goes on
             return
         self.mb.update(min(epoch + 1, self._n_epochs))
@@ -331,18 +330,3 @@ def _fastprogress() -> Any:
     from fastprogress import fastprogress
 
     return fastprogress
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.6f}"
-
-
-def _cell(name: str, value: Any) -> str:
-    """A record value as the table shows it."""
-    if value is None:
-        return _NA
-    if name in ("epoch", "step"):
-        return str(value)
-    if name == "time":
-        return _fastprogress().format_time(value)
-    return _fmt(value)

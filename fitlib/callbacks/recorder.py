@@ -521,10 +521,7 @@ class Recorder(Callback):
                 "no metrics were recorded. Fix: pass metrics=[...] to fit (or to "
                 "the Learner)."
             )
-        panels: dict[str, dict[str, list]] = {}
-        for name in names:
-            values = [row.get(name, math.nan) for row in self._rows]
-            panels.setdefault(_panel_of(name), {})[name] = values
+        panels = plots.metric_panels(names, self._rows)
         if self._inside_epochs():  # several rows per epoch: at their steps
             x, label = self.epoch_iterations, "iteration"
         else:
@@ -601,15 +598,6 @@ def _check_state(state: dict) -> None:
             "(a power of 2, and a partial point of fewer steps); the state is "
             "corrupt. Fix: pass what Recorder.state_dict() returned."
         )
-
-
-def _panel_of(name: str) -> str:
-    """The panel of a value: ``train_x`` and ``valid_x`` go with ``x`` (or
-    with each other), anything else is its own."""
-    for prefix in ("train_", "valid_"):
-        if name.startswith(prefix) and len(name) > len(prefix):
-            return name[len(prefix) :]
-    return name
 
 
 def _rows_of(state: dict) -> list[Record]:

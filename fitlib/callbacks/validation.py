@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from fitlib.callback import Callback
+from fitlib.callback import Callback, inner_callback
 from fitlib.checks import check_int
 
 
@@ -92,7 +92,7 @@ class ValidationSchedule(Callback):
                 "validate on. Fix: give the data a valid_dl (DataBunch(train_dl, "
                 f"valid_dl)), or leave {self.name} out."
             )
-        schedules = [c for c in map(_inner, callbacks)
+        schedules = [c for c in map(inner_callback, callbacks)
                      if isinstance(c, ValidationSchedule)]  # fmt: skip
         if len(schedules) > 1:
             raise ValueError(
@@ -140,8 +140,3 @@ class ValidationSchedule(Callback):
             f"{self.name}(every_n_epochs={self.every_n_epochs}, every_n_steps="
             f"{self.every_n_steps}, start_epoch={self.start_epoch})"
         )
-
-
-def _inner(cb: Callback) -> Callback:
-    """The callback a filter (``every``, ``once``) wraps, or ``cb``."""
-    return getattr(cb, "callback", cb)

@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F  # noqa: N812
 
-from fitlib.checks import check_number, takes_probabilities
+from fitlib.checks import check_number, takes_logits, takes_probabilities
 from fitlib.errors import ArgTypeError, name_of
 
 
@@ -220,13 +219,10 @@ def class_predictions(
     like ``y``, and the class count. One score per target (a 1-d output, or a
     class dim of size 1) is binary: class 1 when > ``cut`` (``binary_cut``:
     0 for a logit)."""
-    scores = one_score_per_target(out, y, name, dim)
+    scores, d = _scores_or_class_dim(out, y, name, dim, owner)
     if scores is not None:
-        pred, n = (scores > cut).long(), 2
-    else:
-        d = find_class_dim(out, y, name, dim, owner)
-        pred, n = out.argmax(d), out.shape[d]
-    return _match(pred, y, name), n
+        return _match((scores > cut).long(), y, name), 2
+    return _match(out.argmax(d), y, name), out.shape[d]
 
 
 def one_score_per_target(
@@ -234,14 +230,22 @@ def one_score_per_target(
 ) -> Tensor | None:
     """The output without its class dim when it holds one score per target (a
     1-d output, or a class dim of size 1: binary); None for class scores."""
+    return _scores_or_class_dim(out, y, name, dim)[0]
+
+
+def _scores_or_class_dim(
+    out: Tensor, y: Tensor, name: str, dim: int | None, owner: str = ""
+) -> tuple[Tensor | None, int]:
+    """``(scores, -1)`` for one score per target (``one_score_per_target``),
+    else ``(None, class dim)``: the class dim found once."""
     if out.ndim == 0:
         raise ValueError(
             f"{name}: output is a 0-dim tensor. Fix: return one row per sample."
         )
     if out.ndim == 1:
-        return out
-    d = find_class_dim(out, y, name, dim)
-    return out.squeeze(d) if out.shape[d] == 1 else None
+        return out, -1
+    d = find_class_dim(out, y, name, dim, owner)
+    return (out.squeeze(d), -1) if out.shape[d] == 1 else (None, d)
 
 
 def _regression_pair(out: Tensor, y: Tensor, fname: str) -> tuple[Tensor, Tensor]:
@@ -441,7 +445,7 @@ def check_binary_scores(
             f"(nn.BCEWithLogitsLoss), which is also more stable{where}"
         )
     if from_logits is None:
-        known = not scores.numel() or _takes_logits(loss_func)
+        known = not scores.numel() or takes_logits(loss_func)
         if not known and ((scores >= 0) & (scores <= 1)).all():
             warnings.warn(
                 f"{name} reads one score per sample as a logit (class 1 when "
@@ -464,15 +468,6 @@ def check_binary_scores(
             f"{example:g}, not a probability. Fix: from_logits=True (or None) "
             "for a model that returns logits, or end the model with a sigmoid."
         )
-
-
-def _takes_logits(loss_func: Any) -> bool:
-    """Whether ``loss_func`` is known to take logits of one score per target
-    (``binary_cross_entropy_with_logits``, a ``partial`` of it, or
-    ``nn.BCEWithLogitsLoss``)."""
-    if isinstance(loss_func, torch.nn.BCEWithLogitsLoss):
-        return True
-    return getattr(loss_func, "func", loss_func) is F.binary_cross_entropy_with_logits
 
 
 # The metrics that need class labels check them on a first batch (Metrics.check).

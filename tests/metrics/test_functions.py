@@ -125,3 +125,19 @@ def test_the_class_dim_ambiguity_fix_names_the_class_or_the_function():
             accuracy(out, y)
     finally:
         swap_class_dims(outer)
+
+
+def test_a_metric_class_predicting_classes_names_itself_in_the_ambiguity_fix():
+    from fitlib.metrics import Accuracy, F1Score
+    from fitlib.metrics.functions import swap_class_dims
+
+    out, y = torch.randn(2, 5, 5), torch.randint(0, 5, (2, 5))
+    outer = swap_class_dims({})
+    try:
+        for metric in (Accuracy(), F1Score()):
+            owner = type(metric).__name__
+            with pytest.raises(ValueError, match=rf"{owner}\(class_dim=1\)") as e:
+                metric.update(out, y)
+            assert "partial(" not in str(e.value)
+    finally:
+        swap_class_dims(outer)
