@@ -1,17 +1,19 @@
 """fitlib: train PyTorch models with one small loop; everything else is a callback."""
 
 from fitlib import metrics, sequences
-from fitlib.callback import Callback, CallbackHandler
-from fitlib.core import DataBunch, fit, fit_states, loss_batch, validate
+from fitlib.callback import Callback
+from fitlib.callback_handler import CallbackHandler
+from fitlib.core import fit, fit_states, loss_batch, validate
 from fitlib.core import iter_fit as iter_fit  # deprecated: the former fit_states
+from fitlib.data import DataBunch
 from fitlib.gan import GANLoss, GANModule, GANOutput
 from fitlib.history import History
 from fitlib.interpret import ClassificationInterpretation
 from fitlib.learner import Learner
 from fitlib.multi_optimizer import MultiOptimizer
 from fitlib.optim import HPOptimizer
+from fitlib.version import __version__ as __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "Callback",
     "CallbackHandler",

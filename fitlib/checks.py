@@ -70,9 +70,15 @@ def check_int(
     ValueError. NumPy integers count as ints. ``example`` defaults to
     ``minimum``.
 
-    Example:
+    Examples:
+        >>> from fitlib.checks import check_int
         >>> check_int(4, "n_batches", minimum=1, owner="GradientAccumulation")
         4
+        >>> check_int(0, "n_batches", minimum=1, owner="GradientAccumulation")
+        Traceback (most recent call last):
+        ...
+        ValueError: GradientAccumulation: n_batches must be an int >= 1; got 0
+        (int). Fix: e.g. GradientAccumulation(n_batches=1).
     """
     if value is None and allow_none:
         return None
@@ -102,7 +108,8 @@ def check_number(
     number (``"a fraction of training"``) and ``example`` the value the fix
     suggests. ``below=math.inf`` refuses infinity.
 
-    Example:
+    Examples:
+        >>> from fitlib.checks import check_number
         >>> check_number(0.3, "pct_start", above=0, below=1, example=0.3)
         0.3
     """
@@ -131,9 +138,15 @@ def check_flag(
     string such as ``"no"``, or ``1``, would act as True: refused.
     ``example`` is the fix as code (default ``<owner>(<name>=True)``).
 
-    Example:
+    Examples:
+        >>> from fitlib.checks import check_flag
         >>> check_flag(False, "resume", "Checkpoint", "Checkpoint(dir, resume=False)")
         False
+        >>> check_flag("no", "resume", "Checkpoint", "Checkpoint(dir, resume=False)")
+        Traceback (most recent call last):
+        ...
+        fitlib.errors.ArgTypeError: Checkpoint: resume must be True or False; got
+        'no' (str). Fix: e.g. Checkpoint(dir, resume=False).
     """
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
@@ -183,10 +196,12 @@ def check_path(
     current directory) or one with a NUL character. ``what`` names the kind
     of path (``"a directory path"``), ``example`` the fix's value as code.
 
-    Example:
-        >>> check_path("runs/exp1", "dirpath", owner="Checkpoint",
-        ...            what="a directory path", example="'runs/exp1'")
-        PosixPath('runs/exp1')
+    Examples:
+        >>> from fitlib.checks import check_path
+        >>> path = check_path("runs/exp1", "dirpath", owner="Checkpoint",
+        ...                   what="a directory path", example="'runs/exp1'")
+        >>> type(path).__name__, str(path)
+        ('PosixPath', 'runs/exp1')
     """
     if not isinstance(value, (str, os.PathLike)):
         rule = f"{what} (str or os.PathLike)"

@@ -27,7 +27,8 @@ def hook_caller(
     never be passed: ``*args``, positional-only, or a name no key matches
     (unless it has a default, which it then keeps).
 
-    Example:
+    Examples:
+        >>> from fitlib.dispatch import hook_caller
         >>> call = hook_caller(lambda epoch: epoch + 1, "f", ("epoch", "train"))
         >>> call({"epoch": 2, "train": True})
         3

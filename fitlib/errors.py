@@ -20,7 +20,8 @@ _PLAIN = (TypeError, ValueError, RuntimeError, IndexError)
 def describe(x: Any) -> str:
     """Types and shapes of a value, for messages: ``(Tensor(shape=(64,), int64),)``.
 
-    Example:
+    Examples:
+        >>> from fitlib.errors import describe
         >>> describe((torch.zeros(2, 3), [1]))
         '(Tensor(shape=(2, 3), float32), [int])'
     """
@@ -96,7 +97,8 @@ def did_you_mean(name: Any, choices: Iterable[str], cutoff: float = 0.6) -> str:
     The one wording of every check of a name (monitors, state keys, hooks,
     record names): put it right after the name that was not found.
 
-    Example:
+    Examples:
+        >>> from fitlib.errors import did_you_mean
         >>> did_you_mean("valid_los", ["valid_loss", "accuracy"])
         " (did you mean 'valid_loss'?)"
     """
@@ -119,7 +121,8 @@ def unknown_name(
     """The message for a ``name`` that is not among ``choices``: the owner,
     the name, the close one (``did_you_mean``), the choices and the fix.
 
-    Example:
+    Examples:
+        >>> from fitlib.errors import unknown_name
         >>> unknown_name("f", "event", "on_epochend", ["on_epoch_end"], "rename it.")
         "f: unknown event 'on_epochend' (did you mean 'on_epoch_end'?); the events
         are 'on_epoch_end'. Fix: rename it."
@@ -129,3 +132,9 @@ def unknown_name(
         f"{owner}: unknown {what} {name!r}{did_you_mean(name, choices)}; the "
         f"{what}s are {', '.join(map(repr, choices))}. Fix: {fix}"
     )
+
+
+def and_others(unknown: list[str]) -> str:
+    """`` (and 'b', 'c')``: the unknown names after the first, which the
+    message names (``unknown_name``); "" when there is one."""
+    return f" (and {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""

@@ -81,8 +81,19 @@ def verify_file(path: str | os.PathLike, file: IO[bytes] | None = None) -> None:
     opened for reading: it is read instead (from its start), so that the
     bytes checked are those the caller then loads from it.
 
-    Example:
-        >>> verify_file("models/stage1.pth")  # raises if a byte changed
+    Examples:
+        >>> from fitlib.file_errors import verify_file
+        >>> path = learn.save("stage1")
+        >>> verify_file(path)  # raises if a byte changed
+        >>> raw = bytearray(path.read_bytes())
+        >>> raw[len(raw) // 2] ^= 1  # one flipped bit
+        >>> _ = path.write_bytes(raw)
+        >>> verify_file(path)
+        Traceback (most recent call last):
+        ...
+        fitlib.file_errors.DamagedFileError: 'models/stage1.pth' is damaged: the
+        bytes of member 'archive/data/0' (a stored tensor's values) do not match
+        their CRC-32. ...
     """
     path = Path(path)
     source = path if file is None else file

@@ -58,12 +58,22 @@ class GANModule(nn.Module):
     turn it is: ``"critic"`` (the fakes are made without gradients) or
     ``"generator"``. In eval mode both scores are computed.
 
-    Example:
+    Examples:
+        >>> from torch.optim import Adam
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> generator = nn.Linear(8, 2)  # noise -> a point
+        >>> critic = nn.Linear(2, 1)  # a point -> its score
         >>> gan = GANModule(generator, critic, noise_size=8)
-        >>> learn = Learner(data, gan, GANLoss("wgan"),
+        >>> points = DataBunch(DataLoader(TensorDataset(torch.randn(64, 2) + 3), 16))
+        >>> learn = Learner(points, gan, GANLoss("wgan"),
         ...                 opt_func={"generator": Adam, "critic": Adam},
-        ...                 callbacks=[GANTrainer(n_critic=5)])
+        ...                 callbacks=[GANTrainer(n_critic=5)], progress=False)
+        >>> learn.fit(2, lr=1e-3)
+        History(2 epochs: train_loss ... -> ..., train_critic ... -> ...,
+                train_generator ...)
         >>> samples = gan.generate(1000)
+        >>> samples.shape
+        torch.Size([1000, 2])
     """
 
     def __init__(
@@ -269,9 +279,18 @@ class GANLoss:
     the critic's), so the epoch record has ``train_critic``,
     ``train_generator``, ``valid_critic``, ``valid_generator``.
 
-    Example:
-        >>> learn = Learner(data, gan, GANLoss("bce"), opt_func=...,
-        ...                 callbacks=[GANTrainer()])
+    Examples:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> gan = GANModule(nn.Linear(8, 2), nn.Linear(2, 1), noise_size=8)
+        >>> points = DataBunch(DataLoader(TensorDataset(torch.randn(64, 2)), 16))
+        >>> adam = torch.optim.Adam
+        >>> learn = Learner(points, gan, GANLoss("bce"),
+        ...                 opt_func={"generator": adam, "critic": adam},
+        ...                 callbacks=[GANTrainer()], progress=False)
+        >>> learn.fit(1, lr=1e-3)[-1]
+        {'epoch': 0, 'train_loss': ..., 'valid_loss': None, 'train_critic': ...,
+         'train_generator': ..., 'valid_critic': None, 'valid_generator': None,
+         'lr': 0.001, 'time': ...}
     """
 
     part_names = ("critic", "generator")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fitlib import plots
+import fitlib.plots as plots
 
 # Not values of the model: where a record is, and the run's settings.
 _PLACE = ("epoch", "step", "lr", "time")
@@ -29,14 +29,21 @@ class History(list):
     ``valid_loss``, each metric, ..., ``lr``, ``time``; see ``fitlib.fit``);
     ``learn.recorder.epoch_table()`` keeps the records of every fit.
 
-    Example:
+    Examples:
         >>> history = learn.fit(3, lr=1e-2)
         >>> history
-        History(3 epochs: train_loss 0.91 -> 0.32, valid_loss 0.72 -> 0.3, ...)
+        History(3 epochs: train_loss 1.1... -> 0.91..., valid_loss 1.0... -> 1.0...,
+                accuracy 0.40... -> 0.5)
         >>> history[-1]["accuracy"]
-        0.93
+        0.5
         >>> print(history.table())
+        epoch     train_loss  valid_loss  accuracy  lr        time
+        0         1.12...     1.07...     0.406250  1.00e-02  ...
+        1         0.99...     1.03...     0.500000  1.00e-02  ...
+        2         0.91...     1.00...     0.500000  1.00e-02  ...
         >>> history.plot()
+        [<Axes: xlabel='epoch', ylabel='loss'>,
+         <Axes: xlabel='epoch', ylabel='accuracy'>]
     """
 
     def __getitem__(self, index: Any) -> Any:
@@ -59,10 +66,11 @@ class History(list):
         """Every value of every record as a text table, one row per record
         (``#na#``: not computed), its columns aligned; "" when empty.
 
-        Example:
-            >>> print(learn.fit(2).table())
-            epoch  train_loss  valid_loss  accuracy  lr        time
-            0      0.912300    0.800000    0.500000  0.001000  00:01
+        Examples:
+            >>> print(learn.fit(2, lr=1e-3).table())
+            epoch     train_loss  valid_loss  accuracy  lr        time
+            0         1.15...     1.16...     0.312500  1.00e-03  ...
+            1         1.14...     1.15...     0.343750  1.00e-03  ...
         """
         if not self:
             return ""
@@ -118,7 +126,8 @@ def cell(name: str, value: Any) -> str:
     ``ProgressBar``'s): ``#na#`` when not computed, ``epoch`` and ``step`` as
     ints, ``time`` as a clock, ``lr`` in exponent form, a number to 6 decimals.
 
-    Example:
+    Examples:
+        >>> from fitlib.history import cell
         >>> cell("time", 75.2), cell("accuracy", 0.5), cell("valid_loss", None)
         ('01:15', '0.500000', '#na#')
     """

@@ -38,7 +38,7 @@ from fitlib.interpret_checks import (
     ordered_dataset,
     per_item_losses,
 )
-from fitlib.plots import _pyplot
+from fitlib.plots import load_pyplot
 
 
 class ClassificationInterpretation:
@@ -193,7 +193,7 @@ class ClassificationInterpretation:
                 f"{where}: cmap must be a matplotlib colormap or its name; got "
                 f"{cmap!r} ({type(cmap).__name__}). Fix: e.g. cmap='Blues'."
             )
-        plt = _pyplot()
+        plt = load_pyplot()
         cm = self.confusion_matrix().float()
         if normalize:
             cm = cm / cm.sum(dim=1, keepdim=True).clamp(min=1)
@@ -261,7 +261,7 @@ class ClassificationInterpretation:
                 f"input, or None for images; got {show!r} ({type(show).__name__})."
                 " Fix: e.g. show=lambda x, ax: ax.text(0, 0.5, str(x))."
             )
-        plt, show = _pyplot(), show_image if show is None else show
+        plt, show = load_pyplot(), show_image if show is None else show
         ncols = min(ncols, len(indices))
         nrows = -(-len(indices) // ncols)
         size = figsize or (2.4 * ncols, 2.6 * nrows)

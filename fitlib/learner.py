@@ -7,7 +7,6 @@ Its training shortcuts (``fit_one_cycle``, ``fit_flat_cos``,
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import os
@@ -24,34 +23,32 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from fitlib import metrics as fm
-from fitlib import ranks
-from fitlib.callback import Callback, CallbackHandler, callback_list, inner_callback
+import fitlib.metrics as fm
+import fitlib.ranks as ranks
+from fitlib.callback import Callback, inner_callback
+from fitlib.callback_handler import CallbackHandler, callback_list
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.channels_last import ChannelsLast, check_convolutional
 from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
-from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
+from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs, lr_sweep
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import OneCycleScheduler, peak_lr
-from fitlib.callbacks.progress import ProgressBar, SweepBar
+from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
-from fitlib.checks import check_flag, check_int, check_number, check_path
-from fitlib.core import (
-    as_metrics,
-    as_tuple,
+from fitlib.callbacks.sweep_bar import SweepBar
+from fitlib.checks import (
     check_data,
+    check_flag,
+    check_int,
     check_model,
-    first_tensor,
-    fit,
-    fit_states,
+    check_number,
+    check_path,
     len_or_none,
-    model_device,
-    to_device,
-    to_floats,
-    validate,
 )
+from fitlib.core import as_metrics, as_tuple, fit_states, validate
+from fitlib.data import model_device, to_device
 from fitlib.errors import name_of
 from fitlib.history import History
 from fitlib.multi_optimizer import MultiOptimizer, check_part_names, spread_over_parts
@@ -61,6 +58,8 @@ from fitlib.optim import (
     check_hyper,
     check_opt_func,
 )
+from fitlib.parts import by_part, part_groups
+from fitlib.record import first_tensor, to_floats
 from fitlib.resume import give_states, not_a_file
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (
@@ -187,10 +186,10 @@ class Learner:
         self.opt_func = (
             _default("opt_func", torch.optim.AdamW) if opt_func is None else opt_func
         )
-        for func in _by_part(self.opt_func).values():
+        for func in by_part(self.opt_func).values():
             check_opt_func(func)
         self.wd = _default("wd", 1e-2) if wd is None else wd
-        wds = _by_part(self.wd)
+        wds = by_part(self.wd)
         check_hyper("wd", list(wds.values()), wd, fix="Learner(..., wd=1e-2)")
         self.true_wd = true_wd
         # 'no' would be truthy (bars anyway): flags are bools
@@ -201,7 +200,7 @@ class Learner:
             progress, "progress", "Learner", "Learner(..., progress=False)"
         )
         self.path, self.train_bn, self.progress = path, train_bn, progress
-        self.part_groups = _part_groups(model, self.opt_func, layer_groups)
+        self.part_groups = part_groups(model, self.opt_func, layer_groups)
         self._wd(wd)  # a dict by part names every part
         # Every part's layer groups, in part order: freeze_to counts them.
         self.layer_groups = [g for gs in self.part_groups.values() for g in gs]
@@ -723,36 +722,25 @@ class Learner:
             >>> learn.recorder.plot_lr_find()
         """
         finder = LRFinder(start_lr, end_lr, num_it, stop_div, mode)
-        sweepers = [cb for cb in self.callbacks if _in_lr_find(cb)]
-        had_opt, saved = self.opt is not None, _states(sweepers)
+        had_opt = self.opt is not None
         if not had_opt:
             self.create_opt(start_lr)
-        extra = [SweepBar(num_it)] if self.progress else []
         try:
-            fit(
+            return lr_sweep(
+                finder,
                 self._sweep_epochs(num_it),
                 self.model,
                 self.loss_func,
                 self.opt,
                 self.data,
-                callbacks=[*sweepers, finder, *extra],
-                metrics=self._metrics(
-                    "metrics"
-                ),  # not computed (no validation), but named
+                callbacks=[cb for cb in self.callbacks if _in_lr_find(cb)],
+                bar=[SweepBar(num_it)] if self.progress else [],
+                metrics=self._metrics("metrics"),  # not computed, but named
             )
         finally:
-            for cb, state in zip(sweepers, saved, strict=True):
-                cb.load_state_dict(state)
             if not had_opt:
                 self.opt = None
-        self.recorder.lr_find_result = finder.result
-        if finder.suggestions is None:
-            raise RuntimeError(
-                f"lr_find: the loss was not finite from the first step (lr "
-                f"{start_lr:g}), so there is nothing to suggest. Fix: check the "
-                "data and the model's output for NaN or inf, or lower start_lr."
-            )
-        return finder.suggestions
+            self.recorder.lr_find_result = finder.result
 
     def fit_snapshots(
         self,
@@ -913,7 +901,7 @@ class Learner:
             part: partial(func, fused=True)
             if fp16 and "fused" in inspect.signature(func).parameters
             else func
-            for part, func in _by_part(self.opt_func).items()
+            for part, func in by_part(self.opt_func).items()
         }
         return funcs if isinstance(self.opt_func, dict) else funcs[""]
 
@@ -965,99 +953,9 @@ def _default_metrics(loss_func: Callable) -> list:
     return [fm.accuracy]
 
 
-def _by_part(value: Any) -> dict[str, Any]:
-    """A per-part setting as a dict (one setting for all: under ``""``)."""
-    return dict(value) if isinstance(value, dict) else {"": value}
-
-
 def _func_names(opt_func: Any) -> str:
-    funcs = {k: name_of(getattr(f, "func", f)) for k, f in _by_part(opt_func).items()}
+    funcs = {k: name_of(getattr(f, "func", f)) for k, f in by_part(opt_func).items()}
     return funcs[""] if "" in funcs else repr(funcs)
-
-
-def _part_groups(
-    model: nn.Module, opt_func: Any, layer_groups: Any
-) -> dict[str, list[list]]:
-    """Each part's layer groups (one part, ``""``, without several
-    optimizers). A part is a submodule, named by ``opt_func``'s keys; its
-    layer groups split it, as ``layer_groups`` splits a whole model."""
-    if not isinstance(opt_func, dict):
-        if isinstance(layer_groups, dict):
-            raise TypeError(
-                "Learner: layer_groups is a dict by part, but opt_func is one "
-                "optimizer class (no parts). Fix: a list of groups, or opt_func="
-                "{part: class, ...}."
-            )
-        return {"": _split_groups(model, layer_groups)}
-    if not opt_func:
-        raise ValueError(
-            "Learner: opt_func is an empty dict. Fix: one optimizer class per "
-            "part, e.g. {'encoder': torch.optim.Adam, 'decoder': torch.optim.SGD}."
-        )
-    if layer_groups is not None and not isinstance(layer_groups, dict):
-        raise TypeError(
-            f"Learner: with one optimizer per part ({list(opt_func)}), "
-            "layer_groups must be a dict part name -> its groups. Fix: e.g. "
-            f"layer_groups={{{next(iter(opt_func))!r}: [body, head]}}."
-        )
-    check_part_names(layer_groups or {}, list(opt_func), "layer_groups", every=False,
-                     example="[body, head]")  # fmt: skip
-    parts = {name: _submodule(model, name) for name in opt_func}
-    out = {n: _split_groups(m, (layer_groups or {}).get(n)) for n, m in parts.items()}
-    _check_part_cover(model, out)
-    return out
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        children = [n for n, _ in model.named_children()]
-        raise ValueError(
-            f"Learner: opt_func names a part {name!r}, but model "
-            f"{type(model).__name__} has no submodule {name!r}; its children "
-            f"are {children}. Fix: name submodules (a dotted path works: "
-            "'encoder.rnn')."
-        ) from None
-
-
-def _check_part_cover(model: nn.Module, parts: dict[str, list[list]]) -> None:
-    owner: dict[int, str] = {}
-    for part, groups in parts.items():
-        for p in (p for g in groups for p in g):
-            if id(p) in owner:
-                raise ValueError(
-                    f"Learner: parts {owner[id(p)]!r} and {part!r} overlap (one "
-                    "is inside the other, or they share a layer): both "
-                    "optimizers would step the same parameters. Fix: name "
-                    "disjoint submodules."
-                )
-            owner[id(p)] = part
-    left = [n for n, p in model.named_parameters()
-            if id(p) not in owner and p.requires_grad]  # fmt: skip
-    if left:
-        raise ValueError(
-            f"Learner: {len(left)} trainable parameter(s) of the model are in no part "
-            f"({list(parts)}), e.g. {left[:3]}: no optimizer would train them. "
-            "Fix: add their module as a part in opt_func, or make the parts "
-            "cover the model."
-        )
-
-
-def _split_groups(model: nn.Module, groups: Sequence[Any] | None) -> list[list]:
-    groups = [model] if groups is None else list(groups)
-    out, seen = [], set()
-    for g in groups:
-        params = list(g.parameters()) if isinstance(g, nn.Module) else list(g)
-        out.append([p for p in params if id(p) not in seen])
-        seen.update(id(p) for p in params)
-    missing = [n for n, p in model.named_parameters() if id(p) not in seen]
-    if missing:
-        raise ValueError(
-            f"layer_groups leave {len(missing)} model parameter(s) out, e.g. "
-            f"{missing[:3]}. Fix: put every part of the model in some group."
-        )
-    return out
 
 
 def _is_single_item(x: Any, data: Any) -> bool:
@@ -1132,10 +1030,6 @@ def _is_dist(cb: Callback) -> bool:
 
 def _is_mp(cb: Callback) -> bool:
     return isinstance(cb, MixedPrecision)
-
-
-def _states(callbacks: list[Callback]) -> list[dict]:
-    return [copy.deepcopy(cb.state_dict()) for cb in callbacks]
 
 
 def _check_fraction(name: str, value: Any, owner: str) -> None:

@@ -41,7 +41,8 @@ _WORDS = sorted(_DOWN | _UP)
 def direction(name: str) -> str | None:
     """``"min"`` or ``"max"``: which way ``name`` improves; None if unknown.
 
-    Example:
+    Examples:
+        >>> from fitlib.monitor import direction
         >>> direction("valid_loss"), direction("f0.5_score"), direction("x")
         ('min', 'max', None)
     """
@@ -72,11 +73,18 @@ class Monitor:
         min_delta: the least change that counts as an improvement (>= 0).
         owner: the owning callback's name, for error messages.
 
-    Example:
+    Examples:
+        >>> from fitlib.monitor import Monitor
         >>> m = Monitor("accuracy", owner="EarlyStopping")
-        >>> m.start(metrics, data)       # in on_train_begin
-        >>> m.update(m.read(record))     # in on_epoch_end
+        >>> m.mode, m.best
+        ('max', -inf)
+        >>> m.start(Metrics([accuracy]), data)  # in on_train_begin
+        >>> m.update(m.read({"valid_loss": 0.7, "accuracy": 0.8}))  # on_epoch_end
         True
+        >>> m.update(m.read({"valid_loss": 0.6, "accuracy": 0.75}))
+        False
+        >>> m.best
+        0.8
     """
 
     def __init__(

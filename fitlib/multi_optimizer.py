@@ -23,14 +23,14 @@ import torch
 from fitlib.checks import check_flag
 from fitlib.errors import ArgTypeError
 from fitlib.optim import (
-    _FIX,
+    EXAMPLE_VALUES,
     NAMES,
     HPOptimizer,
     HyperParam,
     HyperParams,
-    _is_number,
     check_lr,
     count_mismatch,
+    is_hyper_number,
     lr_and_momentum,
     lr_per_group,
 )
@@ -45,14 +45,19 @@ class MultiOptimizer(HyperParams):
         parts: part name -> optimizer (an ``HPOptimizer`` or a torch
             optimizer, wrapped). No parameter may be in two parts.
 
-    Example:
-        >>> enc, dec = model.encoder.parameters(), model.decoder.parameters()
+    Examples:
+        >>> body, head = nn.Linear(8, 16), nn.Linear(16, 3)
+        >>> net = nn.Sequential(body, nn.ReLU(), head)
         >>> opt = MultiOptimizer({
-        ...     "encoder": HPOptimizer(enc, torch.optim.Adam, lr=1e-3),
-        ...     "decoder": HPOptimizer(dec, torch.optim.SGD, lr=0.1, mom=0.9),
+        ...     "body": HPOptimizer(body.parameters(), torch.optim.Adam, lr=1e-3),
+        ...     "head": HPOptimizer(head.parameters(), torch.optim.SGD, lr=0.1,
+        ...                         mom=0.9),
         ... })
-        >>> fit(3, model, loss_func, opt, data)
-        >>> opt["decoder"].lr = 0.05; opt.wd = 1e-4  # one part; every part
+        >>> fit(3, net, F.cross_entropy, opt, data)
+        History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...)
+        >>> opt["head"].lr = 0.05; opt.wd = 1e-4  # one part; every part
+        >>> opt.lr, opt.wd
+        ([0.001, 0.05], 0.0001)
     """
 
     def __init__(self, parts: Parts) -> None:
@@ -242,7 +247,7 @@ class MultiOptimizer(HyperParams):
         if name != "wd" or _nonzero(value):  # (wd=0 without weight decay: fine)
             self._check_has(name)
         many = isinstance(value, Iterable) and not isinstance(value, (str, bytes))
-        if many and not _is_number(value):  # (not a 0-dim tensor either)
+        if many and not is_hyper_number(value):  # (not a 0-dim tensor either)
             values = list(value)
             if len(values) != len(self.param_groups):
                 raise ValueError(count_mismatch(name, values, len(self.param_groups)))
@@ -392,7 +397,7 @@ def _per_part(method: Any, name: str, value: Any, part: str | None) -> None:
     if part is None:
         method(name, value)
         return
-    fix = f"Fix: e.g. opt.{name} = {{{part!r}: {_FIX.get(name, '0.5')}}}."
+    fix = f"Fix: e.g. opt.{name} = {{{part!r}: {EXAMPLE_VALUES.get(name, '0.5')}}}."
     if value is None:
         raise ArgTypeError(
             f"{name}[{part!r}] must be a number (or one per parameter group of "
@@ -412,7 +417,7 @@ def _short(value: Any) -> str:
 
 
 def _nonzero(value: Any) -> bool:
-    values = [value] if _is_number(value) else value
+    values = [value] if is_hyper_number(value) else value
     return any(v != 0 for v in values)
 
 

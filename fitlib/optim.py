@@ -42,7 +42,7 @@ HyperParam = float | Sequence[float]
 LR = float | slice | Sequence[float]
 _TRUE_WD_KEY = "fitlib_true_wd"  # stored in each group, so state_dict keeps it
 NAMES = ("lr", "mom", "wd", "beta")
-_FIX = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
+EXAMPLE_VALUES = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
 
 
 def _hyper(name: str) -> property:
@@ -93,9 +93,11 @@ class HPOptimizer(HyperParams):
         beta: Adam's beta2 or RMSprop's alpha; None keeps the default.
         true_wd: decouple weight decay from the gradient (AdamW style).
 
-    Example:
+    Examples:
         >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
         >>> opt.lr = 0.01; opt.mom = 0.9; opt.wd = 1e-4
+        >>> opt.lr, opt.mom, opt.wd, opt.opt.param_groups[0]["momentum"]
+        (0.01, 0.9, 0.0001, 0.9)
     """
 
     def __init__(
@@ -128,8 +130,10 @@ class HPOptimizer(HyperParams):
         are (an int ``lr`` or ``momentum``, e.g. SGD's default 0, becomes the
         same float).
 
-        Example:
+        Examples:
             >>> opt = HPOptimizer.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+            >>> opt.lr
+            0.1
         """
         if isinstance(opt, HPOptimizer):
             return opt
@@ -257,8 +261,13 @@ class HPOptimizer(HyperParams):
         by ``check_lr``, spread by ``lr_per_group``; ``name`` is the argument
         the messages name).
 
-        Example:
-            >>> opt.set_lr(slice(1e-4, 1e-2))  # 3 groups: 1e-4, 1e-3, 1e-2
+        Examples:
+            >>> body, head = nn.Linear(8, 16), nn.Linear(16, 3)
+            >>> groups = [{"params": body.parameters()}, {"params": head.parameters()}]
+            >>> opt = HPOptimizer(groups, torch.optim.SGD, lr=0.1)
+            >>> opt.set_lr(slice(1e-4, 1e-2))  # 2 groups: 1e-4, 1e-2
+            >>> opt.lr
+            [0.0001, 0.01]
         """
         self._write_values("lr", self.spread_lr(lr, name))
 
@@ -266,7 +275,10 @@ class HPOptimizer(HyperParams):
         """``lr`` checked (``check_lr``) and spread over this optimizer's
         groups (``lr_per_group``): one value per group.
 
-        Example:
+        Examples:
+            >>> layers = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+            >>> groups = [{"params": layer.parameters()} for layer in layers]
+            >>> opt = HPOptimizer(groups, torch.optim.SGD, lr=0.1)
             >>> opt.spread_lr(slice(1e-4, 1e-2))  # 3 groups
             [0.0001, 0.001, 0.01]
         """
@@ -285,8 +297,10 @@ class HPOptimizer(HyperParams):
         """Multiplies ``name`` by ``factors`` now, and every value a scheduler
         sets later in this fit (through ``set_scheduled``).
 
-        Example:
+        Examples:
             >>> opt.scale("lr", 0.5)  # halves lr, and the rest of the schedule
+            >>> opt.lr
+            0.05
         """
         factors = self._per_group(f"{name} factor", factors)
         values = self.get(name)
@@ -339,7 +353,7 @@ class HPOptimizer(HyperParams):
     def _per_group(self, name: str, value: HyperParam) -> list[float]:
         """``value`` (one number, or one per group) as one checked float per group."""
         n = len(self.param_groups)
-        if _is_number(value):
+        if is_hyper_number(value):
             values = [value] * n
         elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
             values = list(value)  # a list, tuple, numpy array...
@@ -441,8 +455,15 @@ def check_lr(lr: Any, name: str = "lr") -> None:
     per group. A wrong type is an ``ArgTypeError`` (a TypeError that is also
     a ValueError), a value out of range a ValueError.
 
-    Example:
+    Examples:
+        >>> from fitlib.optim import check_lr
         >>> check_lr(slice(1e-4, 1e-2))  # fine; lr_per_group spreads it
+        >>> check_lr(-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: lr must be > 0: a number, one per parameter group, or a slice
+        (slice(lo, hi) spreads lo..hi over the groups); got -1.0 (float). Fix:
+        e.g. lr=1e-3 (learn.lr_find() suggests one).
     """
     if isinstance(lr, tuple) and hasattr(lr, "_fields"):
         raise ArgTypeError(_named_tuple_message(lr, name))
@@ -453,7 +474,7 @@ def check_lr(lr: Any, name: str = "lr") -> None:
     if isinstance(lr, slice):
         values = [v for v in (lr.start, lr.stop) if v is not None]
         form = lr.stop is not None
-    elif _is_number(lr):
+    elif is_hyper_number(lr):
         values, form = [lr], True
     elif isinstance(lr, Iterable) and not isinstance(lr, (str, bytes, Iterator)):
         values = list(lr)  # a list, tuple, numpy array (not a one-pass iterator)
@@ -466,7 +487,7 @@ def check_lr(lr: Any, name: str = "lr") -> None:
         f"({type(lr).__name__}). Fix: e.g. {name}=1e-3 (learn.lr_find() "
         "suggests one)."
     )
-    if not form or not all(_is_number(v) for v in values):
+    if not form or not all(is_hyper_number(v) for v in values):
         raise ArgTypeError(message)
     if not all(0 < float(v) < math.inf for v in values):
         raise ValueError(message)
@@ -481,13 +502,14 @@ def lr_per_group(lr: LR, n: int, name: str = "lr") -> list[float]:
     last; ``slice(hi)`` gives the last group ``hi`` and the others ``hi / 10``.
     A slice needs two groups at least.
 
-    Example:
+    Examples:
+        >>> from fitlib.optim import lr_per_group
         >>> lr_per_group(slice(1e-4, 1e-2), 3)
         [0.0001, 0.001, 0.01]
     """
     if isinstance(lr, slice):
         return _spread(lr, n, name)
-    if _is_number(lr):
+    if is_hyper_number(lr):
         return [float(lr)] * n
     values = [float(v) for v in lr]
     if len(values) != n:
@@ -553,10 +575,10 @@ def check_hyper(
     ``fix`` is the example the message gives (default: the optimizer's setter)."""
     given = values if given is None else given
     base = name.split()[0]
-    example = fix or f"opt.{base} = {_FIX.get(base, '0.5')}"
+    example = fix or f"opt.{base} = {EXAMPLE_VALUES.get(base, '0.5')}"
     if " " in name:  # a factor of scale()
         example = f"opt.scale({base!r}, 0.5)"
-    if not all(_is_number(v) for v in values):
+    if not all(is_hyper_number(v) for v in values):
         raise TypeError(
             f"{name} must be a number (or one per parameter group); got {given!r}"
             f" ({type(given).__name__}). Fix: e.g. {example}."
@@ -572,7 +594,7 @@ def check_hyper(
         )
 
 
-def _is_number(x: Any) -> bool:
+def is_hyper_number(x: Any) -> bool:
     """A real number, or a 0-dim tensor holding one (read once, as torch does)."""
     if isinstance(x, torch.Tensor):
         return x.ndim == 0 and not x.is_complex() and x.dtype != torch.bool

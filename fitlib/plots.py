@@ -117,7 +117,7 @@ def _number(value: Any) -> Any:
     return math.nan if value is None else value
 
 
-def _pyplot() -> Any:
+def load_pyplot() -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError as e:
@@ -131,7 +131,7 @@ def _pyplot() -> Any:
 def _panels(ax: Any, names: list[str], where: str) -> list:
     """One Axes per panel in ``names``: ``ax`` checked, else a new pyplot
     figure's (left open: pyplot shows it)."""
-    plt, n = _pyplot(), len(names)
+    plt, n = load_pyplot(), len(names)
     if ax is None:
         size = (6.4, 4.8) if n == 1 else (4.4 * n, 4.0)
         _, axes = plt.subplots(1, n, squeeze=False, figsize=size, layout="constrained")

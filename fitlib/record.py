@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.checks import ignore_index_of, is_class_index_loss
 from fitlib.errors import add_note, describe, did_you_mean
-from fitlib.metrics import Metrics, accumulation_dtype, weighted_sum
+from fitlib.metrics.accumulate import accumulation_dtype, weighted_sum
+from fitlib.metrics.collection import Metrics
 
 Record = dict[str, Any]
 # Values the loop owns: a callback may not add a value of these names.
@@ -67,7 +68,8 @@ class HostCopy:
     are read at once (``ready()`` is True). What reads a value only to show it
     (the progress bar) shows the last copy that is ready: no step waits for it.
 
-    Example:
+    Examples:
+        >>> from fitlib.record import HostCopy
         >>> copy = HostCopy([torch.tensor(2.5)])
         >>> copy.ready(), copy.get()
         (True, [2.5])
@@ -128,7 +130,8 @@ def loss_count(loss_func: Any) -> Callable[[Any, Any], torch.Tensor | None] | No
       ``ignore_index``, each weighted by its class's ``weight`` when given.
       Class indices of shape ``(B,)`` count as ``B`` samples.
 
-    Example:
+    Examples:
+        >>> from fitlib.record import loss_count
         >>> count = loss_count(F.cross_entropy)
         >>> count(None, torch.tensor([[1, 2, -100]]))
         tensor(2)
@@ -208,7 +211,8 @@ class RunningLoss:
     reads the sums (one sync: call it when saving), and restored sums are
     added in.
 
-    Example:
+    Examples:
+        >>> from fitlib.record import RunningLoss, to_floats
         >>> loss = RunningLoss()
         >>> loss.add(torch.tensor(1.0), 4); loss.add(torch.tensor(6.0), 1)
         >>> loss.mean(to_floats(loss.pending()))
@@ -330,11 +334,16 @@ class EpochTally:
         train_metrics: the metrics computed over the training batches (each
             reported as ``train_<name>``).
 
-    Example:
+    Examples:
+        >>> from fitlib.record import EpochTally
         >>> tally = EpochTally(Metrics([accuracy]))
         >>> tally.start()
-        >>> tally.add_batch(loss, 32, True, None, out, (yb,))
-        >>> tally.record(0, [valid_loss, acc], ["accuracy"], lr=0.1)["train_loss"]
+        >>> out, yb = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([1, 1])
+        >>> tally.add_batch(F.cross_entropy(out, yb), len(yb), True, None, out, (yb,))
+        >>> valid_loss, valid_accuracy = torch.tensor(0.5), torch.tensor(0.75)
+        >>> tally.record(0, [valid_loss, valid_accuracy], ["accuracy"], lr=0.1)
+        {'epoch': 0, 'train_loss': 0.8132616281509399, 'valid_loss': 0.5,
+         'accuracy': 0.75, 'train_accuracy': 0.5, 'lr': 0.1, 'time': ...}
     """
 
     def __init__(
@@ -662,3 +671,32 @@ def _check_scalar(owner: str, name: str, value: Any) -> None:
             "record value is one number: an int, a float, a one-element tensor "
             "or None (not computed). Fix: reduce it first, e.g. t.mean()."
         )
+
+
+SMOOTH_BETA = 0.98  # smooth_loss's, as fastai's
+
+
+class LossSmoother:
+    """The average of ``smooth_loss``, on the host, over python floats.
+
+    A callback that needs the smoothed loss only at epoch end keeps the raw
+    losses and smooths them here, in float64: the same numbers, without the
+    device op per batch that ``state['smooth_loss']`` costs.
+
+    Examples:
+        >>> from fitlib.record import LossSmoother
+        >>> LossSmoother()([2.0, 1.0])
+        [2.0, 1.4949494949494933]
+    """
+
+    def __init__(self) -> None:
+        self.avg, self.n = 0.0, 0
+
+    def __call__(self, losses: Iterable[float]) -> list[float]:
+        """Adds ``losses`` in order; returns the debiased average after each."""
+        out = []
+        for loss in losses:
+            self.n += 1
+            self.avg += (1 - SMOOTH_BETA) * (loss - self.avg)
+            out.append(self.avg / (1 - SMOOTH_BETA**self.n))
+        return out

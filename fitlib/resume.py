@@ -23,8 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fitlib.callback import Callback, inner_callback
-from fitlib.checks import check_int
-from fitlib.core import len_or_none
+from fitlib.checks import check_int, len_or_none
 from fitlib.file_errors import DamagedFileError
 from fitlib.serialization import optimizer_differences, optimizer_identity, safe_load
 
@@ -543,9 +542,23 @@ class StateWatch:
     epoch's sums, set up in ``on_epoch_begin``), which that resume loses.
     Each callback is warned about once.
 
-    Example:
-        >>> watch = StateWatch(callbacks)       # as the fit begins
-        >>> watch.warn_changed(inside_epoch)    # at each checkpoint
+    Examples:
+        >>> import warnings
+        >>> from fitlib.resume import StateWatch
+        >>> class Count(Callback):
+        ...     def __init__(self):
+        ...         self.n = 0
+        ...     def on_batch_end(self, **kwargs):
+        ...         self.n += 1
+        >>> count = Count()
+        >>> watch = StateWatch([count])  # as the fit begins
+        >>> count.n = 4  # the fit goes on
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     watch.warn_changed()  # at each checkpoint
+        >>> print(caught[0].message)
+        Checkpoint: callback Count changed its attributes ['n'] during training
+        but has no state_dict(), so a checkpoint at an epoch's end does not save
+        them: ...
     """
 
     def __init__(self, callbacks: list[Callback]) -> None:

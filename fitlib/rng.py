@@ -18,9 +18,13 @@ import torch
 def get_rng_state(loader: Any = None) -> dict:
     """The states of the global generators and of ``loader``'s generators.
 
-    Example:
+    Examples:
+        >>> from fitlib.rng import get_rng_state, set_rng_state
         >>> state = get_rng_state(data.train_dl)
+        >>> first = next(iter(data.train_dl))[1]  # a shuffled batch's targets
         >>> set_rng_state(state, data.train_dl)  # later: the same draws again
+        >>> torch.equal(next(iter(data.train_dl))[1], first)
+        True
     """
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()

@@ -2,9 +2,15 @@
 lengths (and, for a decoder, the teacher-forcing shift), the mask of real
 tokens, and a cross-entropy over the tokens that are not padding.
 
-Example:
+Examples:
+    >>> from torch.utils.data import DataLoader
+    >>> from fitlib.sequences import PadCollate
+    >>> pairs = [(torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3])),
+    ...          (torch.tensor([8]), torch.tensor([4, 5]))]
     >>> dl = DataLoader(pairs, 32, collate_fn=PadCollate(teacher_forcing=True))
     >>> (src, src_lengths, tgt_in), tgt_out = next(iter(dl))
+    >>> src.tolist(), src_lengths.tolist(), tgt_in.tolist(), tgt_out.tolist()
+    ([[5, 6, 7], [8, 0, 0]], [3, 1], [[1, 2], [4, 0]], [[2, 3], [5, -100]])
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class PadCollate:
     ``pad_value`` (the decoder's input), ``y_out = y[1:]`` padded with
     ``ignore_index`` (what it must predict).
 
-    Example:
+    Examples:
+        >>> from fitlib.sequences import PadCollate
         >>> collate = PadCollate()
         >>> (x, lengths), y = collate([(torch.tensor([5, 6, 7]), torch.tensor(1)),
         ...                            (torch.tensor([8]), torch.tensor(0))])
@@ -150,7 +157,8 @@ def sequence_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
     """``(B, T)`` booleans, True at the real tokens of sequences of
     ``lengths`` (padding after them); ``T`` is ``max_len`` or the longest.
 
-    Example:
+    Examples:
+        >>> from fitlib.sequences import sequence_mask
         >>> sequence_mask(torch.tensor([3, 1])).tolist()
         [[True, True, True], [True, False, False]]
     """
@@ -173,7 +181,8 @@ def masked_cross_entropy(
     padded to as many tokens as there are classes keeps it, and a first
     batch that fits both asks for ``class_dim``.
 
-    Example:
+    Examples:
+        >>> from fitlib.sequences import masked_cross_entropy
         >>> masked_cross_entropy(torch.zeros(1, 3, 4), torch.tensor([[0, 2, -100]]))
         tensor(1.3863)
     """

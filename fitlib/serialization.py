@@ -50,8 +50,10 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
         SaveError: the file could not be written (e.g. no space left on the
             device); ``path`` keeps what it held.
 
-    Example:
-        >>> atomic_save({"model": model.state_dict()}, "models/stage1.pth")
+    Examples:
+        >>> from fitlib.serialization import atomic_save
+        >>> print(atomic_save({"model": model.state_dict()}, "models/stage1.pth"))
+        models/stage1.pth
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,14 +97,18 @@ def atomic_write(
         size: None, or a function returning how many bytes the save needs
             (named by the ``SaveError`` of a full disk).
 
-    Example:
+    Examples:
+        >>> import csv
+        >>> from fitlib.serialization import atomic_write
         >>> with atomic_write("log.csv", "w", newline="") as f:
-        ...     csv.writer(f).writerows(rows)
+        ...     csv.writer(f).writerows([["epoch", "loss"], [0, 0.5]])
+        >>> open("log.csv").read().splitlines()
+        ['epoch,loss', '0,0.5']
     """
     path = Path(path)
     tmp = None
     try:
-        tmp, fd = _new_temporary(path)  # (tmp stays None if it fails)
+        tmp, fd = new_temporary(path)  # (tmp stays None if it fails)
         with os.fdopen(fd, mode, newline=newline) as f:
             yield f
             f.flush()
@@ -119,7 +125,7 @@ def atomic_write(
     fsync_dir(path.parent)
 
 
-def _new_temporary(path: Path) -> tuple[Path, int]:
+def new_temporary(path: Path) -> tuple[Path, int]:
     """A new file next to ``path``, created as ``open()`` creates one: mode
     0o666 less the umask (``mkstemp`` would make it 0o600). ``O_EXCL`` (and
     ``O_NOFOLLOW``) never open a link planted under the name: it is skipped."""
@@ -151,8 +157,11 @@ def host_copy(x: Any) -> Any:
     of a sharded model (``DTensor``) are copied where they are: a slice is
     small, and a ``DTensor`` belongs to its device.
 
-    Example:
+    Examples:
+        >>> from fitlib.serialization import host_copy
         >>> saved = host_copy(model.state_dict())
+        >>> saved["0.weight"].device
+        device(type='cpu')
     """
     devices: set[torch.device] = set()
     copy = _host_copy(x, devices)

@@ -96,8 +96,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside DDP, ``DataParallel`` and ``torch.compile``'s
     wrapper (nested in any order); any other model as it is.
 
-    Example:
-        >>> unwrap(DistributedDataParallel(torch.compile(net))) is net
+    Examples:
+        >>> from torch.nn.parallel import DataParallel
+        >>> from fitlib.sharding import unwrap
+        >>> unwrap(DataParallel(model)) is model  # DDP and torch.compile too
         True
     """
     from torch.nn.parallel import DataParallel, DistributedDataParallel

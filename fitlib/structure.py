@@ -2,7 +2,8 @@
 tuples, lists, named tuples, dicts (``transformers``' ``ModelOutput`` too) and
 dataclasses, nested. One walk order serves mapping, listing and joining.
 
-Example:
+Examples:
+    >>> from fitlib.structure import map_tensors
     >>> out = {"logits": torch.zeros(2, 3), "boxes": (torch.zeros(2, 4),)}
     >>> map_tensors(lambda t: t[0], out)["boxes"][0].shape
     torch.Size([4])

@@ -26,8 +26,8 @@ from fitlib.checks import check_int, check_path
 from fitlib.errors import ArgTypeError
 
 # RunningLoss and step_lr live with the epoch record; imported from here too.
-from fitlib.record import RunningLoss, step_lr, to_floats  # noqa: F401
-from fitlib.serialization import _new_temporary, optimizer_identity
+from fitlib.record import to_floats
+from fitlib.serialization import new_temporary, optimizer_identity
 
 
 class TrainClock:
@@ -37,9 +37,12 @@ class TrainClock:
     validation batch, or its end). On a GPU the host runs ahead of the device:
     read it right after a host-device sync, so the device's work is counted.
 
-    Example:
+    Examples:
+        >>> from fitlib.tracking import TrainClock
         >>> clock = TrainClock()
         >>> clock.pause(); seconds = clock.lap()
+        >>> seconds < 1.0
+        True
     """
 
     def __init__(self) -> None:
@@ -316,7 +319,7 @@ def directory_id(dirpath: Path) -> str:
 
 def _create_id(path: Path) -> None:
     """Writes a new id to ``path`` atomically, never over an existing one."""
-    tmp, fd = _new_temporary(path)
+    tmp, fd = new_temporary(path)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(uuid.uuid4().hex + "\n")

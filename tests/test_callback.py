@@ -800,7 +800,8 @@ def test_an_unknown_key_returned_by_a_hook_gets_the_close_key():
 
 # -- driving a handler by hand -----------------------------------------------------
 def drive(handler, batch_begin=True, epochs=1):
-    """A hand-written loop around ``handler``: the README's calls."""
+    """A hand-written loop around ``handler``: the calls of
+    docs/how-to/drive-the-loop-yourself.md."""
     data, model = make_data(), make_model()
     opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     for _ in range(epochs):

@@ -9,8 +9,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
 from fitlib.callbacks import ProgressBar, Recorder
-from fitlib.core import batch_size, fit_states, loss_batch, to_device
+from fitlib.core import fit_states, loss_batch
+from fitlib.data import to_device
 from fitlib.metrics import accuracy
+from fitlib.record import batch_size
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),

@@ -13,7 +13,7 @@ from ipykernel.kernelspec import install
 
 ROOT = Path(__file__).parents[1]
 
-# A tiny fit, then the README's way to look at it.
+# A tiny fit, then the quick start's way to look at it.
 TRAIN = """\
 import torch
 from torch.nn import functional as F

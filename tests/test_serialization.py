@@ -310,7 +310,7 @@ def test_a_temporary_file_never_created_is_not_said_removed(tmp_path, monkeypatc
     def no_inode(path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(serialization, "_new_temporary", no_inode)
+    monkeypatch.setattr(serialization, "new_temporary", no_inode)
     with pytest.raises(OSError, match="no space left on the device") as e:
         atomic_save({"w": torch.zeros(10)}, tmp_path / "s.pth")
     assert "removed" not in str(e.value) and str(tmp_path / "s.pth") in str(e.value)

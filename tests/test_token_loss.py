@@ -248,9 +248,9 @@ def test_a_count_may_be_a_python_int():
 def test_class_indices_of_one_dim_stop_asking_after_the_first_batch(monkeypatch):
     from helpers import make_data, make_model
 
-    import fitlib.callback
+    import fitlib.callback_handler
 
-    calls, real = [], fitlib.callback.loss_count
+    calls, real = [], fitlib.callback_handler.loss_count
 
     def spying(loss_func):
         count = real(loss_func)
@@ -262,7 +262,7 @@ def test_class_indices_of_one_dim_stop_asking_after_the_first_batch(monkeypatch)
         spy.by_shape = count.by_shape
         return spy
 
-    monkeypatch.setattr(fitlib.callback, "loss_count", spying)
+    monkeypatch.setattr(fitlib.callback_handler, "loss_count", spying)
     learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
     learn.fit(2, lr=0.1)
     assert len(calls) == 1  # no call per step for (B,) class indices

@@ -1,55 +1,12 @@
 """Built-in callbacks, one feature per module.
 
-Order of the built-in callbacks (lower runs first within an event):
-
-====================  =====  ================================================
-callback              order  why there
-====================  =====  ================================================
-ChannelsLast          -210   NHWC weights before DDP lays out its buckets;
-                             converts each batch before any other hook
-DistributedTrainer    -200   first: the model (DDP), device and sharded data
-                             the others see are set here
-Compile               -190   compiles the model in place (inside the DDP
-                             wrapper that DistributedTrainer made)
-Checkpoint            -100   first: restores before the others begin; saves
-                             at the start of a batch or epoch, when the
-                             others have finished the previous one (best.pth
-                             too, once the epoch's record is complete)
-GANTrainer             -40   whose turn: the part that steps and learns is
-                             set before accumulation and mixed precision
-GradientAccumulation   -30   first: decides whether this batch steps
-                             (``skip_step``) and scales the loss; sets the
-                             fit's ``n_steps`` before schedulers read it
-MixedPrecision         -20   unscales the gradients of a step before any
-                             later ``on_backward_end`` (clipping, yours)
-TrainStats             -15   the raw gradient norm: unscaled, not yet clipped
-GradientClipping       -10   clips true (unscaled) gradients right before the
-                             step that uses them
-every, once, first      (=)  filters take the order of the callback they wrap
-(your callbacks)         0   see unscaled gradients; values added to the
-                             epoch record reach the monitors, the Recorder,
-                             the loggers and the bar (40 and up)
-ValidationSchedule       0   any order: the loop reads what it sets
-                             (``skip_validate``, ``validate_now``) after
-                             the events
-ParamScheduler,         10   set the hyper-parameters of the next step after
-OneCycleScheduler,           each optimizer step; the LR finder also stops
-LRFinder                     the sweep
-ReduceLROnPlateau       40   lowers the lr after an epoch's validation
-TerminateOnNaN          40   reads the losses at a paced check or epoch end
-EarlyStopping           45   after a plateau lowered the lr; the Recorder and
-                             the bar still show the epoch it stops after
-Recorder                50   after callbacks that change the loss or hyper-
-                             params, so it records the final values
-CSVLogger,              55   after the Recorder: write each epoch's final
-TextLogger,                  values and the lr each step used
-TensorBoardLogger,
-MLflowLogger
-ProgressBar,            60   after Recorder: shows what the epoch ended with;
-SweepBar                     after the LRFinder (10): sees its stop
-====================  =====  ================================================
+Within an event, callbacks run by their ``order`` (lower first). Why each
+built-in callback has its order is in ``ORDER_REASONS``; ``order_table()``
+gives the rows the reference shows (docs/reference/state.md). The filters
+``every``, ``once`` and ``first`` take the order of the callback they wrap.
 """
 
+from fitlib.callback import Callback
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.channels_last import ChannelsLast
 from fitlib.callbacks.checkpoint import Checkpoint
@@ -65,7 +22,7 @@ from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.mlflow_logger import MLflowLogger
 from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.plateau import ReduceLROnPlateau
-from fitlib.callbacks.progress import ProgressBar, SweepBar
+from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.schedule import (
     ParamScheduler,
@@ -74,6 +31,7 @@ from fitlib.callbacks.schedule import (
     exponential,
     linear,
 )
+from fitlib.callbacks.sweep_bar import SweepBar
 from fitlib.callbacks.tensorboard import TensorBoardLogger
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 from fitlib.callbacks.text_logger import TextLogger
@@ -112,4 +70,105 @@ __all__ = [
     "first",
     "linear",
     "once",
+    "order_table",
 ]
+
+# Why each built-in callback runs where it does (its class's ``order``), in
+# the order of the table; "Callback" stands for yours (the default order).
+ORDER_REASONS: dict[str, str] = {
+    "ChannelsLast": (
+        "NHWC weights before DDP lays out its buckets; converts each batch "
+        "before any other hook"
+    ),
+    "DistributedTrainer": (
+        "first: the model (DDP), device and sharded data the others see are set here"
+    ),
+    "Compile": (
+        "compiles the model in place (inside the DDP wrapper that "
+        "DistributedTrainer made)"
+    ),
+    "Checkpoint": (
+        "first: restores before the others begin; saves at the start of a batch "
+        "or epoch, when the others have finished the previous one (best.pth too, "
+        "once the epoch's record is complete)"
+    ),
+    "GANTrainer": (
+        "whose turn: the part that steps and learns is set before accumulation "
+        "and mixed precision"
+    ),
+    "GradientAccumulation": (
+        "first: decides whether this batch steps (``skip_step``) and scales the "
+        "loss; sets the fit's ``n_steps`` before schedulers read it"
+    ),
+    "MixedPrecision": (
+        "unscales the gradients of a step before any later ``on_backward_end`` "
+        "(clipping, yours)"
+    ),
+    "TrainStats": "the raw gradient norm: unscaled, not yet clipped",
+    "GradientClipping": (
+        "clips true (unscaled) gradients right before the step that uses them"
+    ),
+    "Callback": (
+        "your callbacks (the default order): see unscaled gradients; values added "
+        "to the epoch record reach the monitors, the Recorder, the loggers and the "
+        "bar (40 and up)"
+    ),
+    "ValidationSchedule": (
+        "any order: the loop reads what it sets (``skip_validate``, "
+        "``validate_now``) after the events"
+    ),
+    "ParamScheduler": (
+        "sets the hyper-parameters of the next step after each optimizer step"
+    ),
+    "OneCycleScheduler": (
+        "sets the hyper-parameters of the next step after each optimizer step"
+    ),
+    "LRFinder": (
+        "sets the lr of the next step after each optimizer step, and stops the sweep"
+    ),
+    "ReduceLROnPlateau": "lowers the lr after an epoch's validation",
+    "TerminateOnNaN": "reads the losses at a paced check or epoch end",
+    "EarlyStopping": (
+        "after a plateau lowered the lr; the Recorder and the bar still show the "
+        "epoch it stops after"
+    ),
+    "Recorder": (
+        "after callbacks that change the loss or hyper-params, so it records the "
+        "final values"
+    ),
+    "CSVLogger": (
+        "after the Recorder: writes each epoch's final values and the lr each step used"
+    ),
+    "TextLogger": (
+        "after the Recorder: writes each epoch's final values and the lr each step used"
+    ),
+    "TensorBoardLogger": (
+        "after the Recorder: writes each epoch's final values and the lr each step used"
+    ),
+    "MLflowLogger": (
+        "after the Recorder: writes each epoch's final values and the lr each step used"
+    ),
+    "ProgressBar": "after the Recorder: shows what the epoch ended with",
+    "SweepBar": (
+        "after the Recorder: shows what the epoch ended with; after the LRFinder "
+        "(10): sees its stop"
+    ),
+}
+
+
+def order_table() -> list[tuple[str, int, str]]:
+    """The built-in callbacks from first to last within an event.
+
+    Returns:
+        One ``(class name, order, why there)`` row per built-in callback, and
+        a row ``"Callback"`` for yours (the default order), sorted by order
+        (rows of one order in the order of ``ORDER_REASONS``). Each order is
+        read from the class, so the table cannot drift from the code.
+
+    Examples:
+        >>> order_table()[0][:2]
+        ('ChannelsLast', -210)
+    """
+    classes = globals() | {"Callback": Callback}
+    rows = [(name, classes[name].order, why) for name, why in ORDER_REASONS.items()]
+    return sorted(rows, key=lambda row: row[1])

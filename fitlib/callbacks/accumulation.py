@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.checks import check_int
-from fitlib.core import batch_size, len_or_none
+from fitlib.checks import check_int, len_or_none
+from fitlib.record import batch_size
 
 
 class GradientAccumulation(Callback):
@@ -34,9 +34,12 @@ class GradientAccumulation(Callback):
         n_steps: the former name of ``n_batches`` (deprecated: the state key
             ``n_steps`` counts optimizer steps, this argument batches).
 
-    Example:
-        >>> # batches of 16, steps as with batches of 64:
+    Examples:
+        Batches of 16, one optimizer step per 4 of them, as with batches of 64:
+
         >>> learn.fit(3, lr=1e-3, callbacks=[GradientAccumulation(4)])
+        History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy ... -> ...)
     """
 
     order = -30  # before MixedPrecision and clipping, which act only on steps

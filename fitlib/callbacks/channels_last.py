@@ -30,9 +30,29 @@ class ChannelsLast(Callback):
     4-D input is refused, with the shapes it found: there, channels-last
     would change nothing.
 
-    Example:
-        >>> learn.to_channels_last()   # adds ChannelsLast to every fit
-        >>> fit(3, model, F.cross_entropy, opt, data, callbacks=[ChannelsLast()])
+    Examples:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(),
+        ...                         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        ...                         nn.Linear(8, 3))
+        >>> images = TensorDataset(torch.randn(32, 3, 8, 8), torch.randint(0, 3, (32,)))
+        >>> learn = Learner(DataBunch(DataLoader(images, 16)), convnet,
+        ...                 F.cross_entropy, progress=False)
+        >>> learn = learn.to_channels_last()  # adds ChannelsLast to every fit
+        >>> learn.fit(1, lr=1e-3)
+        History(1 epoch: train_loss ...)
+        >>> convnet[0].weight.is_contiguous(memory_format=torch.channels_last)
+        True
+
+        A model without convolutions gains nothing, and is refused:
+
+        >>> fit(1, model, F.cross_entropy, opt, data, callbacks=[ChannelsLast()])
+        Traceback (most recent call last):
+        ...
+        ValueError: ChannelsLast: the model has no 4-D weights (convolutions), only
+        shapes [(3,), (16,), (16, 8), (3, 16)]: channels-last would change
+        nothing. Fix: leave ChannelsLast (to_channels_last) out for this model.
+        fitlib: raised in callback ChannelsLast.on_train_begin
     """
 
     # Before DistributedTrainer (-200): DDP's gradient buckets are laid out

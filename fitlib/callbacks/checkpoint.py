@@ -110,10 +110,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.callback import Callback
-from fitlib.checks import check_flag, check_int, check_path
-from fitlib.core import len_or_none
+from fitlib.checks import check_flag, check_int, check_path, len_or_none
 from fitlib.metrics.functions import load_class_dims, saved_class_dims
 from fitlib.monitor import Monitor
 from fitlib.resume import (
@@ -187,9 +186,24 @@ class Checkpoint(Callback):
             ``keep_last`` never deletes that file; newer checkpoints there
             are named in a warning.
 
-    Example:
-        >>> ckpt = Checkpoint("runs/exp1", every_n_steps=500)
-        >>> learn.fit_one_cycle(10, 1e-2, callbacks=[ckpt])  # rerun to resume
+    Examples:
+        >>> import os
+        >>> ckpt = Checkpoint("runs/exp1", every_n_steps=8)
+        >>> learn.fit_one_cycle(4, 1e-2, callbacks=[ckpt])  # rerun to resume
+        History(4 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy ... -> ...)
+        >>> sorted(os.listdir("runs/exp1"))
+        ['.fitlib.lock', 'checkpoint-000000.pth', 'checkpoint-000001.pth']
+
+        The same script run again resumes from the newest checkpoint; this
+        run had finished, so there is nothing left to train:
+
+        >>> learn.fit_one_cycle(4, 1e-2, callbacks=[Checkpoint("runs/exp1",
+        ...                                                    every_n_steps=8)])
+        fitlib: Checkpoint: training in 'runs/exp1' already finished (epoch 4,
+        step 16); nothing to do. Fix: Checkpoint(resume=False), or another
+        dirpath, to train anew.
+        History(0 epochs)
     """
 
     order = -100  # first: restores before others begin; saves before they act

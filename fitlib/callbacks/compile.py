@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_int
 from fitlib.errors import ArgTypeError
@@ -53,9 +53,16 @@ class Compile(Callback):
         **kwargs: ``torch.compile``'s own (``mode``, ``backend``, ``dynamic``,
             ``fullgraph``, ``options``).
 
-    Example:
-        >>> learn.compile(mode="max-autotune")   # adds Compile to every fit
-        >>> fit(3, model, F.cross_entropy, opt, data, callbacks=[Compile()])
+    Examples:
+        >>> learn.compile(mode="max-autotune")  # adds Compile to every fit
+        Learner(Sequential, loss_func=cross_entropy, opt_func=AdamW, ...)
+        >>> learn.callbacks
+        [Compile(mode='max-autotune')]
+
+        With ``fit``: ``fit(3, model, F.cross_entropy, opt, data,
+        callbacks=[Compile()])``. The first batches of a fit wait for the
+        compiler (seconds on a CPU, minutes for a large model with
+        ``mode="max-autotune"``); this example does not train for that reason.
     """
 
     order = -190  # after DistributedTrainer (-200), which may wrap the model

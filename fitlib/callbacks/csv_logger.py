@@ -51,13 +51,14 @@ class CSVLogger(Callback):
             path that cannot be written is refused when the logger is made.
         append: keep the rows already in the file (True) or start anew.
 
-    Example:
-        >>> fit(3, model, F.cross_entropy, opt, data, metrics=[accuracy],
-        ...     callbacks=[CSVLogger("logs/run1.csv")])
+    Examples:
+        >>> history = fit(3, model, F.cross_entropy, opt, data, metrics=[accuracy],
+        ...               callbacks=[CSVLogger("logs/run1.csv")])
         >>> print(open("logs/run1.csv").read())
         epoch,train_loss,valid_loss,accuracy,lr,time
-        0,0.8712,0.7345,0.71,0.1,0.41
-        ...
+        0,1.12...,1.09...,0.46875,0.1,...
+        1,1.03...,1.05...,0.5,0.1,...
+        2,0.98...,1.03...,0.5,0.1,...
     """
 
     order = 55  # after the callbacks that change training, and the Recorder

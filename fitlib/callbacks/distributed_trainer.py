@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.callback import Callback
 from fitlib.core import call_model
 from fitlib.sharding import is_sharded, shard_model
@@ -80,10 +80,16 @@ class DistributedTrainer(Callback):
         fsdp_kwargs: with ``"fsdp"``, more arguments for ``fully_shard``
             (``mp_policy``, ``reshard_after_forward``, ``offload_policy``).
 
-    Example:
-        >>> # torchrun --nproc_per_node=2 train.py
+    Examples:
+        In a script that ``torchrun --nproc_per_node=2 train.py`` starts, each
+        process trains its shard of the data; started as a plain process (as
+        here), it trains as without the callback:
+
         >>> learn.fit(3, lr=1e-3, callbacks=[DistributedTrainer()])
-        >>> DistributedTrainer(strategy="fsdp", fsdp_units=(Block,))
+        History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy ... -> ...)
+        >>> DistributedTrainer(strategy="fsdp", fsdp_units=(nn.Linear,))
+        DistributedTrainer(fsdp, gloo, off)
     """
 
     order = -200  # first: the model, device and data others see are set here

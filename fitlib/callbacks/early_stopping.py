@@ -80,10 +80,16 @@ class EarlyStopping(Callback):
         best_step, stopped_step: the steps of those records, when records
             carry their step (validations inside epochs), else None.
 
-    Example:
-        >>> stop = EarlyStopping("valid_loss", patience=2, restore_best=True)
-        >>> fit(50, model, F.cross_entropy, opt, data, callbacks=[stop])
-        EarlyStopping: stopped after epoch 11: ...
+    Examples:
+        >>> stop = EarlyStopping("accuracy", patience=2, restore_best=True)
+        >>> fit(50, model, F.cross_entropy, opt, data, metrics=[accuracy],
+        ...     callbacks=[stop])
+        EarlyStopping: stopped after epoch 3: accuracy did not improve for 2
+        epoch(s) (patience=2); best accuracy=0.5 at epoch 1; restored its weights
+        History(4 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy 0.4688 -> 0.5)
+        >>> stop.best_epoch, stop.stopped_epoch
+        (1, 3)
     """
 
     # After ReduceLROnPlateau (40): on a shared plateau the lr is lowered

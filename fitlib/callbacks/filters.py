@@ -36,7 +36,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from fitlib.callback import EVENTS, STATE_KEYS, Callback, _overrides
+from fitlib.callback import EVENTS, STATE_KEYS, Callback, overrides
 from fitlib.checks import check_int
 from fitlib.dispatch import hook_caller
 
@@ -61,10 +61,12 @@ class Filter(Callback):
         calls: the calls of filtered hooks that it let through in this fit
             (the hooks that always run are not counted).
 
-    Example:
+    Examples:
         >>> log = every(Recorder(), n=100, unit="steps")
         >>> log.name
         'every(100 steps, Recorder)'
+        >>> log.order, log.callback
+        (50, Recorder(order=50))
     """
 
     def __init__(self, callback: Callback, unit: str | None = None) -> None:
@@ -180,8 +182,14 @@ def every(callback: Callback, n: int, unit: str = "steps") -> Filter:
         n: the interval (>= 1), counted from the start of the fit.
         unit: ``"steps"`` (optimizer steps) or ``"epochs"``.
 
-    Example:
-        >>> fit(3, model, loss, opt, data, callbacks=[every(MyLogger(), 100)])
+    Examples:
+        >>> class PrintStep(Callback):
+        ...     def on_step_end(self, step, **kwargs):
+        ...         print("steps done:", step + 1)  # the state's step counts from 0
+        >>> history = fit(3, model, F.cross_entropy, opt, data,
+        ...               callbacks=[every(PrintStep(), 5)])
+        steps done: 5
+        steps done: 10
     """
     _check("every", callback, unit, "n", n)
     return _build(_Every, callback, unit, n)
@@ -195,8 +203,16 @@ def once(callback: Callback, at: int, unit: str = "steps") -> Filter:
         at: the step or epoch, counted from 1 (``at=1``: the first).
         unit: ``"steps"`` (optimizer steps) or ``"epochs"``.
 
-    Example:
-        >>> snapshot = once(SaveModel("warm.pth"), at=500, unit="steps")
+    Examples:
+        >>> class SaveModel(Callback):
+        ...     def __init__(self, path):
+        ...         self.path = path
+        ...     def on_step_end(self, model, step, **kwargs):
+        ...         torch.save(model.state_dict(), self.path)
+        ...         print("saved", self.path, "after step", step + 1)
+        >>> snapshot = once(SaveModel("warm.pth"), at=6, unit="steps")
+        >>> history = fit(3, model, F.cross_entropy, opt, data, callbacks=[snapshot])
+        saved warm.pth after step 6
     """
     _check("once", callback, unit, "at", at)
     return _build(_Once, callback, unit, at)
@@ -210,8 +226,13 @@ def first(callback: Callback) -> Filter:
     and so on (``on_train_begin`` and ``on_train_end``
     always run).
 
-    Example:
+    Examples:
+        >>> class ShowBatch(Callback):
+        ...     def on_batch_begin(self, last_input, last_target, **kwargs):
+        ...         print(tuple(last_input.shape), tuple(last_target.shape))
         >>> show = first(ShowBatch())  # prints the first batch, then nothing
+        >>> history = fit(2, model, F.cross_entropy, opt, data, callbacks=[show])
+        (16, 8) (16,)
     """
     _check("first", callback)
     return _build(_First, callback, None)
@@ -225,7 +246,7 @@ def _build(
     hooks = {
         event: _hook(event, getattr(callback, event), _counter(unit, event))
         for event in EVENTS
-        if _overrides(callback, event)
+        if overrides(callback, event)
     }
     if "on_train_begin" not in hooks:  # the filter resets there
         always = _counter(None, "on_train_begin")
@@ -281,7 +302,7 @@ def _hook(event: str, hook: Callable | None, counter: Callable) -> Callable:
 
 
 def _valid(event: str) -> tuple[str, ...]:
-    return STATE_KEYS + (("exception",) if event == "on_train_end" else ())
+    return (*STATE_KEYS, *(("exception",) if event == "on_train_end" else ()))
 
 
 def _call(event: str, hook: Callable) -> Callable[[dict], Any]:

@@ -32,11 +32,18 @@ class GANTrainer(Callback):
         n_critic: critic steps per round (5 is usual for WGAN).
         n_generator: generator steps per round.
 
-    Example:
-        >>> learn = Learner(data, GANModule(gen, critic, noise_size=8),
+    Examples:
+        >>> from torch.optim import Adam
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> gen, critic = nn.Linear(8, 2), nn.Linear(2, 1)
+        >>> points = DataBunch(DataLoader(TensorDataset(torch.randn(64, 2)), 16))
+        >>> learn = Learner(points, GANModule(gen, critic, noise_size=8),
         ...                 GANLoss("wgan"), callbacks=[GANTrainer(n_critic=5)],
-        ...                 opt_func={"generator": Adam, "critic": Adam})
-        >>> learn.fit(10, lr=1e-4)
+        ...                 opt_func={"generator": Adam, "critic": Adam},
+        ...                 progress=False)
+        >>> learn.fit(2, lr=1e-4)
+        History(2 epochs: train_loss ... -> ..., train_critic ... -> ...,
+                train_generator ...)
     """
 
     order = -40  # before accumulation and mixed precision: decides what steps

@@ -29,11 +29,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
-from fitlib.core import to_floats
+from fitlib.core import fit
 from fitlib.errors import is_number
+from fitlib.record import to_floats
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import host_copy
 
@@ -101,13 +102,19 @@ class LRFinder(Callback):
         check_every: seconds of training between two reads of the losses
             (each read is one host-device sync); 0 reads after every step.
 
-    Example:
-        >>> finder = LRFinder(num_it=100)
-        >>> fit(10, model, F.cross_entropy, opt, data, callbacks=[finder])
+    Examples:
+        >>> finder = LRFinder(num_it=40)  # 10 epochs of 4 batches: 40 steps
+        >>> history = fit(10, model, F.cross_entropy, opt, data, callbacks=[finder])
         >>> finder.suggestions
-        SuggestedLRs(valley=0.0011, steepest=0.0025, min_div10=0.0036)
-        >>> finder.problems
-        {}
+        SuggestedLRs(valley=0.5..., steepest=0.5..., min_div10=0.6...)
+
+        64 samples make a short, noisy sweep; ``problems`` says why these
+        suggestions are doubtful (and a ``UserWarning`` said it too):
+
+        >>> print(finder.problems["cliff"])
+        lr_find: the loss fell only 4...% before the sweep ended (...), less
+        than 15 times the noise of a step's loss (...): the edge of a cliff, not
+        a valley (the model breaks as it starts to learn). ...
     """
 
     order = 10
@@ -258,7 +265,8 @@ def suggest_lrs(
     lr, as ``min_div10`` is of a minimum (without ``step_losses``, the
     smoothed losses stand in). ``sweep_problems`` says when to distrust them.
 
-    Example:
+    Examples:
+        >>> from fitlib.callbacks.lr_finder import suggest_lrs
         >>> lrs = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0]
         >>> suggest_lrs(lrs, [2.3, 2.31, 2.3, 2.2, 1.8, 1.0, 0.9, 9.0])
         SuggestedLRs(valley=0.01, steepest=0.01, min_div10=0.1)
@@ -298,9 +306,13 @@ def sweep_problems(
     (the sweep's planned steps; default ``len(lrs)``) and ``mom`` (the
     sweep's momentum, None if unknown) choose the fixes the message offers.
 
-    Example:
-        >>> sweep_problems([1e-3, 1e-2, 1e-1, 1.0], [2.3, 2.3, 2.3, 2.29])
-        {'no_fall': 'lr_find: the loss never fell: ...'}
+    Examples:
+        >>> from fitlib.callbacks.lr_finder import sweep_problems
+        >>> problems = sweep_problems([1e-3, 1e-2, 1e-1, 1.0], [2.3, 2.3, 2.3, 2.29])
+        >>> print(problems["no_fall"])
+        lr_find: the loss never fell: its lowest value before the sweep ended
+        (2.29, at lr 1) is less than 1% below its start (2.3), so the sweep shows
+        no valley. ...
     """
     c, n = _landmarks(lrs, losses, step_losses), len(losses)
     low, lr0, last = c.losses[c.low], lrs[0], lrs[n - 1]
@@ -510,3 +522,49 @@ def _check_args(
         check_every, "check_every", minimum=0, what="a number of seconds",
         owner="LRFinder", example=0.25,
     )  # fmt: skip
+
+
+def lr_sweep(
+    finder: LRFinder,
+    epochs: int,
+    model: torch.nn.Module,
+    loss_func: Any,
+    opt: Any,
+    data: Any,
+    callbacks: list[Callback] = (),
+    bar: list[Callback] = (),
+    metrics: Any = None,
+) -> SuggestedLRs:
+    """Runs ``finder``'s sweep as one ``fit`` with ``callbacks`` (those that
+    shape a step: mixed precision, accumulation, clipping, a user's), then
+    puts back their states; the finder puts back the model, the optimizer and
+    the random generators. ``bar`` is a ``SweepBar`` (or nothing). What
+    ``Learner.lr_find`` runs.
+
+    Raises:
+        RuntimeError: the loss was not finite from the first step, so there
+            is nothing to suggest.
+
+    Examples:
+        >>> from fitlib.callbacks.lr_finder import lr_sweep
+        >>> finder = LRFinder(num_it=12)  # 3 epochs of 4 batches
+        >>> before = model[0].weight.clone()
+        >>> lr_sweep(finder, 3, model, F.cross_entropy, opt, data)
+        SuggestedLRs(valley=..., steepest=..., min_div10=...)
+        >>> torch.equal(model[0].weight, before)  # the model is put back
+        True
+    """
+    callbacks, saved = list(callbacks), [cb.state_dict() for cb in callbacks]
+    try:
+        fit(epochs, model, loss_func, opt, data, callbacks=[*callbacks, finder, *bar],
+            metrics=metrics)  # fmt: skip
+    finally:
+        for cb, state in zip(callbacks, saved, strict=True):
+            cb.load_state_dict(state)
+    if finder.suggestions is None:
+        raise RuntimeError(
+            f"lr_find: the loss was not finite from the first step (lr "
+            f"{finder.start_lr:g}), so there is nothing to suggest. Fix: check "
+            "the data and the model's output for NaN or inf, or lower start_lr."
+        )
+    return finder.suggestions

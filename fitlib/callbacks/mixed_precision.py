@@ -28,7 +28,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
-from fitlib.core import model_device
+from fitlib.data import model_device
 from fitlib.optim import unscale_all
 from fitlib.sharding import is_sharded, torch_optimizers
 
@@ -54,9 +54,12 @@ class MixedPrecision(Callback):
         init_scale: the first loss scale (float16).
         growth_interval: good steps before the scale doubles (float16).
 
-    Example:
+    Examples:
         >>> fit(3, model, F.cross_entropy, opt, data,
-        ...     callbacks=[MixedPrecision(torch.bfloat16)])
+        ...     callbacks=[MixedPrecision(torch.bfloat16)])  # also on a CPU
+        History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...)
+        >>> MixedPrecision()  # float16 with a loss scaler, on a GPU
+        MixedPrecision(dtype=torch.float16)
     """
 
     order = -20  # after GradientAccumulation, before clipping and user callbacks

@@ -30,6 +30,7 @@ from fitlib.tracking import (
     process_place,
     read_into,
 )
+from fitlib.version import __version__
 
 # What a resumed fit needs (run, step offset, the interval in progress).
 _STATE_KEYS = ("run_id", "base", "epoch_base", "fits", "interval", "last_point")
@@ -120,11 +121,25 @@ class MLflowLogger(Callback):
         log_checkpoints: log the final and best checkpoints of the fit's
             ``Checkpoint`` (one must be among the callbacks) as artifacts.
 
-    Example:
+    Examples:
         >>> mlf = MLflowLogger("http://127.0.0.1:5000", experiment="digits",
         ...                    params={"dropout": 0.3})
-        >>> learn.fit_one_cycle(5, 1e-2, callbacks=[mlf])
-        $ mlflow ui   # or the server's page: the run, its params and curves
+        >>> mlf
+        MLflowLogger('http://127.0.0.1:5000', experiment='digits', every_n_steps=50)
+
+        ``learn.fit_one_cycle(5, 1e-2, callbacks=[mlf])`` then logs the run to
+        that server, whose page (or ``mlflow ui``) shows its params and
+        curves. A store it cannot use fails as training begins, before any
+        batch:
+
+        >>> _ = open("notes.txt", "w").write("not a database")
+        >>> learn.fit(1, lr=1e-3, callbacks=[MLflowLogger("sqlite:///notes.txt")])
+        Traceback (most recent call last):
+        ...
+        ValueError: MLflowLogger: tracking_uri='sqlite:///notes.txt': 'notes.txt'
+        is not an SQLite database (MLflow would fail on it). Fix: name a new
+        database file or an MLflow one, e.g. tracking_uri='sqlite:///.../mlflow.db'.
+        fitlib: raised in callback MLflowLogger.on_train_begin
     """
 
     order = 55  # with the other loggers: after the Recorder, values final
@@ -306,10 +321,8 @@ class MLflowLogger(Callback):
             )
 
     def _start_run(self, model: Any, place: dict) -> None:
-        import fitlib
-
         tags = {
-            "fitlib.version": fitlib.__version__,
+            "fitlib.version": __version__,
             "torch.version": torch.__version__,
             "device": _device(model),
             **place,

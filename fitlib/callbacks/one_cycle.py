@@ -43,9 +43,10 @@ class OneCycleScheduler(ParamScheduler):
         total_steps: as for ``ParamScheduler``; None uses the fit's length.
         part: schedule only this part of a ``MultiOptimizer`` (None: all).
 
-    Example:
+    Examples:
         >>> fit(5, model, F.cross_entropy, opt, data,
         ...     callbacks=[OneCycleScheduler(max_lr=1e-2)])
+        History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...)
     """
 
     def __init__(
@@ -128,7 +129,8 @@ def peak_lr(lr: Any, max_lr: Any, owner: str) -> tuple[str, Any]:
     ``max_lr`` are two names for it, and exactly one must be given (a
     ValueError for both, a TypeError for neither, from ``owner``).
 
-    Example:
+    Examples:
+        >>> from fitlib.callbacks.one_cycle import peak_lr
         >>> peak_lr(None, 1e-2, "OneCycleScheduler")
         ('max_lr', 0.01)
     """

@@ -62,11 +62,12 @@ class ReduceLROnPlateau(Callback):
         reductions: the epochs (0-based, of the current fit) after which (or
             in which, after a validation inside it) an lr was reduced.
 
-    Example:
-        >>> plateau = ReduceLROnPlateau("valid_loss", factor=0.5, patience=2)
-        >>> fit(20, model, F.cross_entropy, opt, data, callbacks=[plateau])
-        >>> plateau.reductions
-        [7, 13]
+    Examples:
+        >>> plateau = ReduceLROnPlateau("accuracy", factor=0.5, patience=1)
+        >>> history = fit(10, model, F.cross_entropy, opt, data,
+        ...               metrics=[accuracy], callbacks=[plateau])
+        >>> plateau.reductions, opt.lr
+        ([3, 5, 7, 9], 0.00625)
     """
 
     order = 40  # before the Recorder (50), which records the lr each step used

@@ -1,26 +1,24 @@
-"""``ProgressBar``: fastprogress bars over epochs and batches, and a results table;
-``SweepBar``: one bar over an LR finder's sweep.
+"""``ProgressBar``: fastprogress bars over epochs and batches, and a results table.
 
-Per batch they compare the clock: the smoothed loss is read only when a bar is
+Per batch it compares the clock: the smoothed loss is read only when a bar is
 redrawn, at most every ``refresh`` seconds of wall-clock time, and once at the
-end of each training loader or sweep. On CUDA the epochs' bar reads it without
-a host-device sync: each redraw starts a copy to the host (``HostCopy``) and
-shows the last one that has arrived; only the end of a loader waits for one. The
-table's rows are the epochs' records (``state["record"]``), already read.
+end of each training loader. On CUDA it reads it without a host-device sync:
+each redraw starts a copy to the host (``HostCopy``) and shows the last one
+that has arrived; only the end of a loader waits for one. The table's rows are
+the epochs' records (``state["record"]``), already read.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Any
 
 import torch
 
+from fitlib.bars import check_refresh, loss_comment, master_bar
 from fitlib.callback import Callback
-from fitlib.checks import check_int, check_number
-from fitlib.core import len_or_none
+from fitlib.checks import len_or_none
 from fitlib.history import cell
 from fitlib.record import HostCopy, Record
 
@@ -39,18 +37,22 @@ class ProgressBar(Callback):
         bars: draw bars (True), only the table (False), or decide (None):
             bars in a notebook or a terminal, the table alone in a log.
 
-    Example:
-        >>> fit(2, model, F.cross_entropy, opt, data, callbacks=[ProgressBar()])
+    Examples:
+        Where output is not a notebook or a terminal (a log, as here), the
+        table alone:
+
+        >>> history = fit(2, model, F.cross_entropy, opt, data,
+        ...               callbacks=[ProgressBar()])
         epoch     train_loss  valid_loss  time
-        0         0.912345    0.723456    00:01
-        1         0.701234    0.654321    00:01
+        0         1.12...     1.09...     ...
+        1         1.03...     1.05...     ...
     """
 
     order = 60
     main_only = True  # under torch.distributed, rank 0 alone
 
     def __init__(self, refresh: float = 0.25, bars: bool | None = None) -> None:
-        self.refresh, self.bars = _check_refresh(refresh, "ProgressBar"), bars
+        self.refresh, self.bars = check_refresh(refresh, "ProgressBar"), bars
         self.rows: list[list[str]] = []
         self.mb: Any = None  # the master bar of the current (or last) fit
         self.pb: Any = None  # the child bar of the loader in progress
@@ -71,7 +73,7 @@ class ProgressBar(Callback):
         if n_epochs is None:
             n_epochs = math.ceil(n_steps / batches) if n_steps and batches else 1
         self._n_epochs = n_epochs
-        self.mb = _master_bar(n_epochs, self.bars)
+        self.mb = master_bar(n_epochs, self.bars)
         # Redraws are paced here (per epoch, or by `refresh`): fastprogress's
         # own pacing by item count would drop some of them.
         self.mb.main_bar.update_every = 0
@@ -159,7 +161,7 @@ class ProgressBar(Callback):
                 shown = self._copy if self._copy and self._copy.ready() else None
                 self._copy = copy
             if shown is not None:
-                self._comment = _loss_comment(shown.get()[0])
+                self._comment = loss_comment(shown.get()[0])
             self.pb.comment = self._comment
         self.pb.update(self._n)
         self._drawn = self._n
@@ -180,153 +182,3 @@ class ProgressBar(Callback):
     def _write(self, row: list[str]) -> None:
         self.rows.append(row)
         self.mb.write(row, table=True)
-
-
-class SweepBar(Callback):
-    """One bar over an LR finder's sweep: its optimizer steps, with the
-    smoothed loss as comment, and no table. ``Learner.lr_find`` shows it.
-
-    A sweep that stops early (at the divergence) closes its bar there.
-
-    Args:
-        total: the optimizer steps of the sweep (the finder's ``num_it``).
-        refresh: the least number of seconds between two redraws of the bar.
-        bars: draw the bar (True), nothing (False), or decide (None): the bar
-            in a notebook or a terminal, nothing in a log.
-
-    Example:
-        >>> finder = LRFinder(num_it=100)
-        >>> fit(5, model, F.cross_entropy, opt, data, [finder, SweepBar(100)])
-        |██████████████--------| 63.00% [63/100 00:02<00:01 smooth loss 2.2841]
-    """
-
-    order = 60  # after the finder (10): sees the stop_training of its last step
-    main_only = True  # under torch.distributed, rank 0 alone
-    in_lr_find = True
-
-    def __init__(
-        self, total: int, refresh: float = 0.25, bars: bool | None = None
-    ) -> None:
-        self.total = check_int(total, "total", minimum=1, owner=self.name, example=100)
-        self.bars = bars
-        self.refresh = _check_refresh(refresh, "SweepBar")
-        self.pb: Any = None  # the bar of the sweep in progress
-
-    def on_train_begin(self) -> None:
-        """Runs before training: opens the bar."""
-        if _draws_bars(self.bars):
-            self.pb = _fastprogress().progress_bar(range(self.total))
-        else:
-            self.pb = _NoBar(self.total)
-        self.pb.update_every = 0  # paced by `refresh` (see ProgressBar)
-        self._step, self._smooth, self._last_draw = 0, None, -math.inf
-        self.pb.update(0)
-
-    def on_batch_end(
-        self, train: bool, step: int, smooth_loss: Any, stop_training: bool
-    ) -> None:
-        """Runs after each batch: moves the bar when time is up; closes it
-        after the sweep's last step."""
-        if not train or self.pb is None:
-            return
-        self._step, self._smooth = step, smooth_loss
-        now = time.perf_counter()
-        if stop_training or step >= self.total:
-            self._close(now)
-        elif now - self._last_draw >= self.refresh:
-            self._draw(now)
-
-    def on_train_end(self, exception: BaseException | None) -> None:
-        """Runs at the end, also after an error: closes the bar if open."""
-        if self.pb is None:
-            return
-        if exception is None:
-            self._close(time.perf_counter())
-        else:  # no tensor read here: the device may be broken
-            self.pb.on_interrupt()
-            self._end(self.pb)
-
-    def _draw(self, now: float) -> None:
-        self._last_draw = now
-        if self._smooth is not None:
-            self.pb.comment = _loss_comment(self._smooth)
-        self.pb.update(self._step)
-
-    def _close(self, now: float) -> None:
-        self._draw(now)  # the last state, read once
-        if self._step < self.total:  # stopped early: fastprogress would wait
-            self.pb.on_iter_end()
-        self._end(self.pb)
-
-    def _end(self, pb: Any) -> None:
-        self.pb = None
-        if isinstance(pb, _fastprogress().ConsoleProgressBar):
-            print(flush=True)  # the bar stays; what follows starts a new line
-
-
-def _check_refresh(refresh: Any, owner: str) -> float:
-    return check_number(
-        refresh, "refresh", minimum=0, what="a number of seconds", owner=owner,
-        example=0.25,
-    )  # fmt: skip
-
-
-def _loss_comment(smooth: Any) -> str:
-    return f"smooth loss {float(smooth):.4f}"  # of a tensor: a host-device sync
-
-
-def _draws_bars(bars: bool | None) -> bool:
-    """``bars``, or when None: whether stdout is a notebook or a terminal."""
-    if bars is None:
-        fp = _fastprogress()
-        return bool(fp.IN_NOTEBOOK or sys.stdout.isatty())
-    return bool(bars)
-
-
-def _master_bar(n_epochs: int, bars: bool | None) -> Any:
-    if _draws_bars(bars):
-        return _fastprogress().master_bar(range(n_epochs))
-    return _TableOnly()
-
-
-class _NoBar:
-    """A bar that draws nothing; it keeps what ProgressBar reads and sets."""
-
-    def __init__(self, total: Any = None) -> None:
-        self.total = None if total == "noinfer" else total
-        self.comment, self.update_every, self.start_t = "", 0, 0.0
-
-    def update(self, val: int | None = None) -> None:
-        pass
-
-    on_iter_end = on_interrupt = update
-
-
-class _TableOnly:
-    """Stands in for the master bar when stdout is no terminal (a log, CI).
-
-    fastprogress 1.1 draws bars there anyway (its tty test is always true);
-    a log needs only the table, aligned as fastprogress aligns it.
-    """
-
-    def __init__(self) -> None:
-        self.main_bar, self.widths = _NoBar(), None
-
-    def update(self, val: int | None = None) -> None:
-        pass
-
-    def progress(self, gen: Any, total: Any = None) -> _NoBar:
-        return _NoBar(total)
-
-    def write(self, row: list[str], table: bool = True) -> None:
-        if self.widths is None:
-            self.widths = [max(len(name), 8) for name in row]
-        print("  ".join(v.ljust(w) for v, w in zip(row, self.widths)).rstrip())
-
-
-def _fastprogress() -> Any:
-    # Imported when a fit starts: fastprogress pulls in fasthtml (~0.5 s), a
-    # cost `import fitlib` should not pay.
-    from fastprogress import fastprogress
-
-    return fastprogress

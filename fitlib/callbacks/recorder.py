@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from fitlib import plots
-from fitlib.callback import Callback, LossSmoother
+import fitlib.plots as plots
+from fitlib.callback import Callback
 from fitlib.checks import check_int
 from fitlib.optim import lr_and_momentum
-from fitlib.record import LOOP_KEYS, Record, batch_size, to_floats
+from fitlib.record import LOOP_KEYS, LossSmoother, Record, batch_size, to_floats
 
 # Steps whose losses may wait on the device: one host transfer per this many.
 FLUSH_EVERY = 1024
@@ -145,11 +145,13 @@ class Recorder(Callback):
     Args:
         max_points: the most per-step points kept (an int >= 2).
 
-    Example:
+    Examples:
         >>> rec = Recorder()
-        >>> fit(3, model, F.cross_entropy, opt, data, callbacks=[rec])
+        >>> history = fit(3, model, F.cross_entropy, opt, data, callbacks=[rec])
         >>> rec.epoch_table()[-1]["valid_loss"]
-        0.3121
+        1.03...
+        >>> len(rec.losses), rec.lrs[:2]
+        (12, [0.1, 0.1])
         >>> rec.plot_losses()
         <Axes: xlabel='iteration', ylabel='loss'>
     """
@@ -435,10 +437,11 @@ class Recorder(Callback):
         Each row has the metrics of its own epoch's fit, so rows of fits with
         different metrics have different keys.
 
-        Example:
-            >>> rec.epoch_table()[0]
-            {'epoch': 0, 'train_loss': 0.91, 'valid_loss': 0.72,
-             'accuracy': 0.66, 'time': 0.41}
+        Examples:
+            >>> history = learn.fit(1, lr=1e-3)
+            >>> learn.recorder.epoch_table()[0]
+            {'epoch': 0, 'train_loss': 1.15..., 'valid_loss': 1.16...,
+             'accuracy': 0.3125, 'time': ...}
         """
         return [dict(row) for row in self._rows]
 

@@ -36,7 +36,7 @@ class Anneal:
     the schedule then returns a list. Made by ``cosine``, ``linear``,
     ``exponential`` and ``constant``.
 
-    Example:
+    Examples:
         >>> cosine(1e-3, 1e-5)(0.5)
         0.000505
     """
@@ -121,10 +121,13 @@ class ParamScheduler(Callback):
         part: with several optimizers (``MultiOptimizer``), the part whose
             hyper-parameters this schedules; None schedules every part.
 
-    Example:
+    Examples:
         >>> warmup_cos = [(0.1, linear(0.0, 1e-3)), (0.9, cosine(1e-3, 0.0))]
         >>> sched = ParamScheduler({"lr": warmup_cos, "mom": constant(0.9)})
         >>> fit(5, model, F.cross_entropy, opt, data, callbacks=[sched])
+        History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...)
+        >>> opt.lr, opt.mom  # at the end of the schedule
+        (0.0, 0.9)
     """
 
     order = 10
@@ -239,7 +242,8 @@ def value_at(phases: list[tuple[float, Schedule]], step: int, total: int) -> Val
     Phase ``k`` runs from the end of phase ``k - 1`` (step 0 for the first) to
     step ``c_k * total - 1``, ``c_k`` being the fraction done at its end.
 
-    Example:
+    Examples:
+        >>> from fitlib.callbacks.schedule import value_at
         >>> value_at([(0.5, linear(0.0, 1.0)), (0.5, linear(1.0, 0.0))], 4, 10)
         1.0
     """

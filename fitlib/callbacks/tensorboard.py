@@ -63,10 +63,15 @@ class TensorBoardLogger(Callback):
         hparams: more hyper-parameters (bool, int, float or str values); they
             override the automatic ones of the same name.
 
-    Example:
+    Examples:
+        >>> import os
         >>> tb = TensorBoardLogger("runs/exp1", hparams={"dropout": 0.3})
         >>> fit(5, model, F.cross_entropy, opt, data, callbacks=[tb])
-        $ tensorboard --logdir runs
+        History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...)
+        >>> os.listdir("runs/exp1")
+        ['events.out.tfevents...']
+
+        Then ``tensorboard --logdir runs`` shows them.
     """
 
     order = 55

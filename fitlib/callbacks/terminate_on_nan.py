@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_number
 
@@ -51,10 +51,16 @@ class TerminateOnNaN(Callback):
     Args:
         check_every: seconds of wall-clock time between two checks (>= 0).
 
-    Example:
-        >>> nan = TerminateOnNaN()
+    Examples:
+        >>> nan = TerminateOnNaN(check_every=0)
+        >>> history = fit(10, model, F.cross_entropy, opt, data, callbacks=[nan])
+        >>> print(nan.nan_iteration)  # None when every loss was finite
+        None
+        >>> opt.lr = 1e6  # far too high: the loss overflows
         >>> fit(10, model, F.cross_entropy, opt, data, callbacks=[nan])
-        >>> nan.nan_iteration  # None when every loss was finite
+        History(2 epochs: train_loss ... -> nan, valid_loss nan)
+        >>> nan.nan_iteration, nan.nan_epoch, nan.nan_batch
+        (4, 1, 0)
     """
 
     order = 40  # before Recorder (50) and ProgressBar (60) see the stop

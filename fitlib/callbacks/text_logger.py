@@ -19,14 +19,8 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.errors import ArgTypeError
-from fitlib.record import Record, batch_size, to_floats
-from fitlib.tracking import (
-    RunningLoss,
-    TrainClock,
-    check_every_n_steps,
-    check_state_keys,
-    step_lr,
-)
+from fitlib.record import Record, RunningLoss, batch_size, step_lr, to_floats
+from fitlib.tracking import TrainClock, check_every_n_steps, check_state_keys
 
 _STATE_KEYS = ("line_step", "interval", "seconds")
 # What a TextLogger saved before the epoch record kept the epoch's sums.
@@ -60,12 +54,20 @@ class TextLogger(Callback):
             only).
         level: the logging level of the lines (an int, or a name like "INFO").
 
-    Example:
-        >>> logging.basicConfig(level=logging.INFO)
-        >>> fit(3, model, F.cross_entropy, opt, data,
-        ...     callbacks=[TextLogger(every_n_steps=50)])
-        INFO:fitlib:step 50 (epoch 0): loss 0.912346, lr 1.000e-01, 5230.1 samples/s
-        INFO:fitlib:epoch 0: train_loss 0.871234 valid_loss 0.734512 time 0.41s
+    Examples:
+        >>> import logging, sys
+        >>> log = logging.getLogger("train")
+        >>> handler = logging.StreamHandler(sys.stdout)
+        >>> log.addHandler(handler); log.setLevel(logging.INFO)
+        >>> history = fit(2, model, F.cross_entropy, opt, data,
+        ...               callbacks=[TextLogger(log, every_n_steps=2)])
+        step 2 (epoch 0): loss 1.1..., lr 1.000e-01, ... samples/s
+        step 4 (epoch 0): loss 1.0..., lr 1.000e-01, ... samples/s
+        epoch 0: train_loss 1.12... valid_loss 1.09... time ...s
+        step 6 (epoch 1): loss 0.99..., lr 1.000e-01, ... samples/s
+        step 8 (epoch 1): loss 1.07..., lr 1.000e-01, ... samples/s
+        epoch 1: train_loss 1.03... valid_loss 1.05... time ...s
+        >>> log.removeHandler(handler)
     """
 
     order = 55  # after the callbacks that change training, and the Recorder

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitlib import ranks
+import fitlib.ranks as ranks
 from fitlib.callback import Callback
-from fitlib.core import batch_size, to_floats
-from fitlib.metrics import accumulation_dtype
+from fitlib.metrics.accumulate import accumulation_dtype
+from fitlib.record import batch_size, to_floats
 from fitlib.sharding import is_sharded, local
 from fitlib.tracking import (
     TrainClock,
@@ -44,7 +44,8 @@ def global_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     ``torch._foreach_norm`` computes the norm of each tensor (fused on CUDA);
     the norm of those norms is the global one. None for no tensors.
 
-    Example:
+    Examples:
+        >>> from fitlib.callbacks.train_stats import global_norm
         >>> global_norm([torch.tensor([3.0]), torch.tensor([4.0])])
         tensor(5.)
     """
@@ -90,12 +91,12 @@ class TrainStats(Callback):
     Args:
         every_n_steps: optimizer steps between two reports (an int >= 1).
 
-    Example:
-        >>> stats = TrainStats(every_n_steps=50)
-        >>> fit(3, model, F.cross_entropy, opt, data, callbacks=[stats])
+    Examples:
+        >>> stats = TrainStats(every_n_steps=4)
+        >>> history = fit(3, model, F.cross_entropy, opt, data, callbacks=[stats])
         >>> stats.history[-1]
-        {'step': 150, 'sec_per_step': 0.012, 'samples_per_sec': 5300.2,
-         'grad_norm': 0.83, 'weight_norm': 12.1, 'nonfinite_steps': 0}
+        {'step': 12, 'sec_per_step': ..., 'samples_per_sec': ...,
+         'grad_norm': 0.47..., 'weight_norm': 2.66..., 'nonfinite_steps': 0}
     """
 
     order = -15  # after MixedPrecision unscales (-20), before clipping (-10)

@@ -44,10 +44,14 @@ class ValidationSchedule(Callback):
         start_epoch: the first epoch (0-based) that validates, at a step or
             at its end; the fit's last epoch validates whatever it is.
 
-    Example:
-        >>> learn.fit(1, callbacks=[ValidationSchedule(every_n_steps=500)])
-        >>> learn.fit(30, callbacks=[ValidationSchedule(every_n_epochs=5,
-        ...                                             start_epoch=10)])
+    Examples:
+        >>> learn.fit(1, lr=1e-3, callbacks=[ValidationSchedule(every_n_steps=2)])
+        History(2 records in 1 epoch: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy ... -> ...)
+        >>> history = learn.fit(6, lr=1e-3, callbacks=[
+        ...     ValidationSchedule(every_n_epochs=2, start_epoch=3)])
+        >>> [record["valid_loss"] is not None for record in history]
+        [False, False, False, True, False, True]
     """
 
     # Any order: the loop reads skip_validate and validate_now after the events

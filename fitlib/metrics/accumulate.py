@@ -54,7 +54,7 @@ class Metric:
     is the element-wise sum of every process's `sums()`, equals `compute()` of
     one metric updated with all the data.
 
-    Example:
+    Examples:
         >>> isinstance(as_metric(accuracy), Metric)
         True
     """
@@ -125,7 +125,7 @@ class Metric:
 class AvgMetric(Metric):
     """Exact per-sample average of a function that returns a batch mean.
 
-    Example:
+    Examples:
         >>> m = AvgMetric(accuracy)
         >>> m.update(torch.tensor([[0.0, 1.0]]), torch.tensor([1]))
         >>> m.compute()
@@ -187,7 +187,7 @@ class AvgMetric(Metric):
         self.total = list(sums[0].unbind())
 
 
-class _TorchMetricAdapter(Metric):
+class TorchMetricAdapter(Metric):
     """Wraps a torchmetrics.Metric, moved to the output's device on update.
 
     torchmetrics checks its inputs with a host sync unless built with

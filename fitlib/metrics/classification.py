@@ -16,17 +16,17 @@ from torch.nn import functional as F  # noqa: N812
 from fitlib.checks import check_int, check_number
 from fitlib.metrics.accumulate import Metric, accumulation_dtype
 from fitlib.metrics.functions import (
-    _match,
     binary_cut,
     check_binary_scores,
     check_class_targets,
     check_index,
     class_predictions,
     class_rows,
+    match_shape,
 )
 
 
-class _ClassMetric(Metric):
+class ClassMetric(Metric):
     """A metric of class targets: checks them on a first batch, knowing its
     ``class_dim`` and ``ignore_index``, and, for one score per target,
     whether it is a logit (``from_logits``) and the ``threshold`` of class 1."""
@@ -69,7 +69,7 @@ class _ClassMetric(Metric):
             )  # fmt: skip
 
 
-class Accuracy(_ClassMetric):
+class Accuracy(ClassMetric):
     """Fraction of correct class predictions, counted over the whole set.
 
     ``metrics=[accuracy]`` uses it; give it to say where the classes are or
@@ -88,7 +88,7 @@ class Accuracy(_ClassMetric):
         threshold: the probability above which one score per target
             predicts class 1 (a logit is compared with its logit, 0 for 0.5).
 
-    Example:
+    Examples:
         >>> m = Accuracy(ignore_index=-100)
         >>> m.update(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([1, -100]))
         >>> m.compute()
@@ -151,7 +151,7 @@ class Accuracy(_ClassMetric):
 class ErrorRate(Accuracy):
     """One minus ``Accuracy`` (``metrics=[error_rate]`` uses it).
 
-    Example:
+    Examples:
         >>> ErrorRate(class_dim=1).name
         'error_rate'
     """
@@ -166,7 +166,7 @@ class TokenAccuracy(Accuracy):
     """``Accuracy`` over a sequence's tokens, padding (``ignore_index``,
     -100 by default, as ``cross_entropy``) left out.
 
-    Example:
+    Examples:
         >>> TokenAccuracy().ignore_index
         -100
     """
@@ -175,7 +175,7 @@ class TokenAccuracy(Accuracy):
     default_ignore = -100
 
 
-class _ConfusionMetric(_ClassMetric):
+class _ConfusionMetric(ClassMetric):
     """Scores from a confusion matrix accumulated on the device (rows are
     targets, columns predictions). Targets outside ``[0, num_classes)``
     cannot be checked without a sync, so they are counted aside and make
@@ -214,7 +214,7 @@ class _ConfusionMetric(_ClassMetric):
                 f"{self.name}: output has {c} classes, but num_classes or earlier "
                 f"batches gave {self.n_cls}. Fix: num_classes = the model's outputs."
             )
-        pred = _match(pred, y, self.name).reshape(-1)
+        pred = match_shape(pred, y, self.name).reshape(-1)
         t = y.reshape(-1).long()
         valid = (t >= 0) & (t < self.n_cls)
         if y.is_floating_point():  # 0.5 must not silently truncate to class 0
@@ -265,18 +265,20 @@ class FBeta(_ConfusionMetric):
 
     Args:
         beta: weight of recall against precision; > 0.
-        average: "binary" (F of class 1; one logit per sample, positive when
-            > 0, or two class columns), "macro" or "micro".
+        average: "binary" (F of class 1; one logit per sample, positive
+            when > 0, or two class columns), "macro" or "micro".
         num_classes: defaults to the output's class dim (2 for one logit).
-        class_dim, ignore_index, from_logits, threshold: as for ``Accuracy``
-            (per pixel, per token; a probability per sample).
+        class_dim: as for ``Accuracy`` (per pixel, per token).
+        ignore_index: as for ``Accuracy``.
+        from_logits: as for ``Accuracy`` (a probability per sample).
+        threshold: as for ``Accuracy``.
 
     Like scikit-learn's defaults, macro averages the classes seen in targets
     or predictions, and an undefined precision or recall counts as 0.
     Targets outside [0, num_classes) cannot be checked without a sync, so
     they are counted aside and make `compute()` return nan.
 
-    Example:
+    Examples:
         >>> m = FBeta(beta=2.0, average="binary")
         >>> m.update(torch.tensor([2.0, -1.0, 3.0]), torch.tensor([1, 1, 0]))
         >>> m.name, m.compute()
@@ -333,7 +335,7 @@ class FBeta(_ConfusionMetric):
 class F1Score(FBeta):
     """F1 score: `FBeta` with beta=1.
 
-    Example:
+    Examples:
         >>> F1Score(average="micro").name
         'f1_score'
     """
@@ -357,7 +359,7 @@ class Dice(F1Score):
     class over the whole set: the F1 score of its pixels (same arguments),
     averaged over the classes seen in targets or predictions.
 
-    Example:
+    Examples:
         >>> Dice(class_dim=1, ignore_index=255).name
         'dice'
     """
@@ -372,15 +374,16 @@ class MeanIoU(_ConfusionMetric):
 
     Args:
         num_classes: defaults to the output's class dim.
-        class_dim, ignore_index: as for ``Accuracy`` (a segmentation's
-            ``(B, C, H, W)`` output is found channels first). Targets equal to
-            ``ignore_index`` are not counted, and when it is a class (0, the
-            background), that class is left out of the mean even where the
-            model predicts it; its predictions elsewhere still count against
-            the true class.
-        from_logits, threshold: as for ``Accuracy`` (one score per pixel).
+        class_dim: as for ``Accuracy`` (a segmentation's ``(B, C, H, W)``
+            output is found channels first).
+        ignore_index: as for ``Accuracy``. Targets equal to ``ignore_index``
+            are not counted, and when it is a class (0, the background), that
+            class is left out of the mean even where the model predicts it;
+            its predictions elsewhere still count against the true class.
+        from_logits: as for ``Accuracy`` (one score per pixel).
+        threshold: as for ``Accuracy`` (one score per pixel).
 
-    Example:
+    Examples:
         >>> m = MeanIoU()
         >>> m.update(torch.tensor([[0.0, 1.0], [0.0, 1.0]]), torch.tensor([1, 0]))
         >>> m.compute()  # class 0: 0/1, class 1: 1/2
@@ -399,16 +402,16 @@ class MeanIoU(_ConfusionMetric):
         return self._nan_if_outside(_mean_present(iou, den))
 
 
-class Perplexity(_ClassMetric):
+class Perplexity(ClassMetric):
     """exp(mean cross-entropy per token) over the whole set, padding
     (``ignore_index``, -100 by default) left out. The output holds the
     logits (class dim found as for ``Accuracy``, or ``class_dim``).
 
-    Example:
+    Examples:
         >>> m = Perplexity()
         >>> m.update(torch.zeros(1, 3, 4), torch.tensor([[0, 1, -100]]))
         >>> m.compute()  # uniform over 4 tokens
-        tensor(4.0000, dtype=torch.float64)
+        tensor(4., dtype=torch.float64)
     """
 
     name = "perplexity"

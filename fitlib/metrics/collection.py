@@ -18,10 +18,10 @@ from fitlib.errors import ArgTypeError, describe, reraise
 from fitlib.metrics.accumulate import (
     AvgMetric,
     Metric,
-    _TorchMetricAdapter,
+    TorchMetricAdapter,
     accumulation_dtype,
 )
-from fitlib.metrics.classification import Accuracy, ErrorRate, _ClassMetric
+from fitlib.metrics.classification import Accuracy, ClassMetric, ErrorRate
 from fitlib.metrics.functions import accuracy, error_rate
 from fitlib.structure import parts, pick
 
@@ -44,7 +44,7 @@ def as_metric(m: object, owner: str = "metrics") -> Metric:
     """Turn anything accepted in `metrics=[...]` into a `Metric` (``owner``
     names the argument in errors).
 
-    Example:
+    Examples:
         >>> as_metric(accuracy).name, as_metric(RMSE).name
         ('accuracy', 'rmse')
     """
@@ -59,7 +59,7 @@ def as_metric(m: object, owner: str = "metrics") -> Metric:
             why = f"it needs arguments ({e}); pass an instance"
             raise _bad_metric(m, why, owner) from e
     if _is_torchmetric(m):
-        return _TorchMetricAdapter(m)
+        return TorchMetricAdapter(m)
     counted = _counted(m)
     if counted is not None:
         return counted
@@ -102,7 +102,7 @@ class Part(Metric):
             structured target (a dict); None for all of them.
         name: its name in the record; by default the metric's own.
 
-    Example:
+    Examples:
         >>> metrics = [Part(accuracy, output=0, target=0),
         ...            Part(mse, output=1, target=1, name="box_mse")]
     """
@@ -213,7 +213,7 @@ def tensor_of(output: Any, name: str, n_targets: int = 1) -> Any:
 def check_metric(m: Metric, output: Any, targets: tuple, loss_func: Any) -> None:
     """``m.check_inputs``; fitlib's class metrics and ``Part`` also get the
     fit's ``loss_func`` (a loss that takes probabilities)."""
-    if type(m).check_inputs in (Part.check_inputs, _ClassMetric.check_inputs):
+    if type(m).check_inputs in (Part.check_inputs, ClassMetric.check_inputs):
         m.check_inputs(output, *targets, loss_func=loss_func)  # not overridden
     else:
         m.check_inputs(output, *targets)
@@ -227,7 +227,7 @@ def _scores_tensors(m: Metric) -> bool:
     if isinstance(m, AvgMetric):
         func = getattr(m.func, "func", m.func)
         return getattr(func, "__module__", "").startswith("fitlib.")
-    return isinstance(m, _TorchMetricAdapter) or type(m).__module__.startswith(
+    return isinstance(m, TorchMetricAdapter) or type(m).__module__.startswith(
         "fitlib.metrics."
     )
 
@@ -245,7 +245,7 @@ def _unique(names: list[str]) -> list[str]:
 class Metrics:
     """The list of metrics of one run; what `core.validate` uses.
 
-    Example:
+    Examples:
         >>> ms = Metrics([accuracy, accuracy])
         >>> ms.names
         ['accuracy', 'accuracy_2']
@@ -330,7 +330,7 @@ class Metrics:
         checks wait for ``check`` (a metric's own batches)."""
         for m in self.metrics:
             inner = m.metric if isinstance(m, Part) else m
-            if not isinstance(inner, _ClassMetric) or not inner.reads_binary:
+            if not isinstance(inner, ClassMetric) or not inner.reads_binary:
                 continue
             try:
                 out, picked = m.select(output, targets) if m is not inner else (
@@ -371,8 +371,14 @@ class Metrics:
         the accumulation dtype (float64; float32 on MPS, where counts stay
         exact up to 2**24).
 
-        Example:
-            >>> loss_sum, count = metrics.reduce([loss_sum, count])
+        Examples:
+            >>> metrics = Metrics([accuracy])
+            >>> metrics.update(torch.tensor([[0.0, 1.0]]), (torch.tensor([1]),))
+            >>> metrics.reducer = lambda t: t * 2  # two processes, the same data
+            >>> loss_sum, count = metrics.reduce([torch.tensor(1.5), torch.tensor(3.0)])
+            >>> loss_sum, count, metrics.compute()
+            (tensor(3., dtype=torch.float64), tensor(6., dtype=torch.float64),
+             [tensor(1., dtype=torch.float64)])
         """
         if self.reducer is None:
             raise RuntimeError(

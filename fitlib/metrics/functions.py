@@ -13,7 +13,7 @@ from fitlib.checks import check_number, takes_logits, takes_probabilities
 from fitlib.errors import ArgTypeError, name_of
 
 
-def _match(pred: Tensor, y: Tensor, fname: str) -> Tensor:
+def match_shape(pred: Tensor, y: Tensor, fname: str) -> Tensor:
     """Reshape `pred` like `y`; refuse shapes that would silently broadcast."""
     if pred.shape == y.shape:
         return pred
@@ -183,7 +183,7 @@ def find_class_dim(
             f"{tuple(out.shape[:-1])}. Fix: give targets of the output's spatial "
             "shape (resize the masks with the images, or upsample the output)."
         )
-    return out.ndim - 1  # (N, C) with (N, 1) targets: _match reshapes
+    return out.ndim - 1  # (N, C) with (N, 1) targets: match_shape reshapes
 
 
 def _with_class_dim(name: str, owner: str) -> str:
@@ -221,8 +221,8 @@ def class_predictions(
     0 for a logit)."""
     scores, d = _scores_or_class_dim(out, y, name, dim, owner)
     if scores is not None:
-        return _match((scores > cut).long(), y, name), 2
-    return _match(out.argmax(d), y, name), out.shape[d]
+        return match_shape((scores > cut).long(), y, name), 2
+    return match_shape(out.argmax(d), y, name), out.shape[d]
 
 
 def one_score_per_target(
@@ -248,9 +248,9 @@ def _scores_or_class_dim(
     return (out.squeeze(d), -1) if out.shape[d] == 1 else (None, d)
 
 
-def _regression_pair(out: Tensor, y: Tensor, fname: str) -> tuple[Tensor, Tensor]:
+def regression_pair(out: Tensor, y: Tensor, fname: str) -> tuple[Tensor, Tensor]:
     dtype = torch.promote_types(out.dtype, torch.float32)
-    return _match(out, y, fname).to(dtype), y.to(dtype)
+    return match_shape(out, y, fname).to(dtype), y.to(dtype)
 
 
 def accuracy(
@@ -277,7 +277,7 @@ def accuracy(
     counted over the whole set by ``Accuracy``: exact however many targets each
     batch counts.
 
-    Example:
+    Examples:
         >>> accuracy(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
         tensor(0.5000)
     """
@@ -292,7 +292,7 @@ def accuracy(
 def top_k_accuracy(out: Tensor, y: Tensor, k: int = 5) -> Tensor:
     """Fraction of targets among the `k` highest scores.
 
-    Example:
+    Examples:
         >>> top_k_accuracy(torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([1]), k=2)
         tensor(1.)
     """
@@ -303,7 +303,7 @@ def top_k_accuracy(out: Tensor, y: Tensor, k: int = 5) -> Tensor:
             "functools.partial(top_k_accuracy, k=...) with a smaller k."
         )
     top = out.topk(k, dim=-1).indices
-    _match(top[..., 0], y, "top_k_accuracy")  # only to refuse mismatched shapes
+    match_shape(top[..., 0], y, "top_k_accuracy")  # only to refuse mismatched shapes
     hit = top == y.reshape(top.shape[:-1]).unsqueeze(-1)
     return hit.any(-1).float().mean()
 
@@ -319,7 +319,7 @@ def error_rate(
 ) -> Tensor:
     """One minus `accuracy` (same arguments; ``ErrorRate`` in ``metrics=[...]``).
 
-    Example:
+    Examples:
         >>> error_rate(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
         tensor(0.5000)
     """
@@ -332,22 +332,22 @@ def error_rate(
 def mse(out: Tensor, y: Tensor) -> Tensor:
     """Mean squared error; an (N, 1) output is compared with (N,) targets.
 
-    Example:
+    Examples:
         >>> mse(torch.tensor([[1.0], [3.0]]), torch.tensor([1.0, 1.0]))
         tensor(2.)
     """
-    o, t = _regression_pair(out, y, "mse")
+    o, t = regression_pair(out, y, "mse")
     return (o - t).pow(2).mean()
 
 
 def mae(out: Tensor, y: Tensor) -> Tensor:
     """Mean absolute error; an (N, 1) output is compared with (N,) targets.
 
-    Example:
+    Examples:
         >>> mae(torch.tensor([[1.0], [3.0]]), torch.tensor([1.0, 1.0]))
         tensor(1.)
     """
-    o, t = _regression_pair(out, y, "mae")
+    o, t = regression_pair(out, y, "mae")
     return (o - t).abs().mean()
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from fitlib.metrics.accumulate import Metric, accumulation_dtype
-from fitlib.metrics.functions import _regression_pair
+from fitlib.metrics.functions import regression_pair
 
 
 class _ColumnMetric(Metric):
@@ -25,7 +25,7 @@ class _ColumnMetric(Metric):
         return self.state
 
     def _columns(self, output: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        o, t = _regression_pair(output, y, self.name)
+        o, t = regression_pair(output, y, self.name)
         dtype = accumulation_dtype(output.device)
         o, t = o.reshape(t.shape[0], -1).to(dtype), t.reshape(t.shape[0], -1).to(dtype)
         if not self.state:
@@ -44,7 +44,7 @@ class RMSE(_ColumnMetric):
 
     Multi-output targets average the per-column RMSE, like scikit-learn.
 
-    Example:
+    Examples:
         >>> m = RMSE()
         >>> m.update(torch.tensor([[1.0], [3.0]]), torch.tensor([1.0, 1.0]))
         >>> m.compute()
@@ -79,7 +79,7 @@ class R2Score(_ColumnMetric):
     As in scikit-learn: multi-output averages columns uniformly, a constant
     column scores 1 if predicted exactly else 0, fewer than 2 samples give nan.
 
-    Example:
+    Examples:
         >>> m = R2Score()
         >>> m.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0]))
         >>> m.compute()

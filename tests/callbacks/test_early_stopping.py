@@ -131,7 +131,7 @@ def test_nan_is_a_bad_epoch_and_skipped_validation_is_not_counted():
 @pytest.mark.parametrize("patience", [0, 1])
 def test_a_nan_at_the_first_epoch_stops_there_where_keras_goes_on(patience):
     # Keras guards its stop with epoch > 0; fitlib counts epoch 0 as any
-    # other (documented in the docstring and the README).
+    # other (documented in the docstring, so in the reference page).
     stops, cb = scripted([math.nan, 1.0, 0.5], patience=patience)
     assert stops == [0] and cb.stopped_epoch == 0 and cb.best_epoch is None
     assert "NaN at the first epoch" in EarlyStopping.__doc__

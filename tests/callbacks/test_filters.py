@@ -6,7 +6,7 @@ from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, CallbackHandler, HPOptimizer, fit
-from fitlib.callback import EVENTS, _overrides, call_hook
+from fitlib.callback import EVENTS, call_hook, overrides
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.filters import Filter, every, first, once
 from fitlib.callbacks.recorder import Recorder
@@ -183,7 +183,7 @@ def test_it_has_only_the_hooks_the_wrapped_callback_overrides():
             pass
 
     wrapped = every(OnlyBatchEnd(), 10)
-    overridden = [e for e in EVENTS if _overrides(wrapped, e)]
+    overridden = [e for e in EVENTS if overrides(wrapped, e)]
     assert overridden == ["on_train_begin", "on_batch_end"]  # it resets at begin
     handler = CallbackHandler([wrapped])
     assert handler._hooks["on_batch_begin"] == []

@@ -9,7 +9,8 @@ from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
 from fitlib import DataBunch, HPOptimizer, fit
-from fitlib.callback import CallbackHandler, call_hook
+from fitlib.callback import call_hook
+from fitlib.callback_handler import CallbackHandler
 from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy

@@ -13,8 +13,9 @@ from fitlib import Callback, DataBunch, HPOptimizer, fit
 from fitlib.callback import call_hook
 from fitlib.callbacks import progress
 from fitlib.callbacks.lr_finder import LRFinder
-from fitlib.callbacks.progress import ProgressBar, SweepBar
+from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
+from fitlib.callbacks.sweep_bar import SweepBar
 from fitlib.metrics import Metrics, accuracy
 
 CONSOLE_BAR = fastprogress.ConsoleProgressBar

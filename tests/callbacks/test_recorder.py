@@ -10,11 +10,12 @@ from matplotlib.axes import Axes
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, DataBunch, HPOptimizer, fit
-from fitlib.callback import LossSmoother, call_hook
+from fitlib.callback import call_hook
 from fitlib.callbacks import Checkpoint
 from fitlib.callbacks import recorder as recorder_module
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy, error_rate
+from fitlib.record import LossSmoother
 
 
 class FakeOpt:

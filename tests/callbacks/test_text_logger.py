@@ -15,7 +15,8 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.text_logger import TextLogger
 from fitlib.metrics import Metrics, accuracy
-from fitlib.tracking import RunningLoss, TrainClock
+from fitlib.record import RunningLoss
+from fitlib.tracking import TrainClock
 
 
 class FakeOpt:

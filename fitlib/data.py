@@ -1,0 +1,219 @@
+"""Data and devices: ``DataBunch`` (the loaders and the device), and
+``batches``, which turns what a loader yields into ``(x, y)`` batches on the
+model's device (``to_device``, ``unpaired`` for batches of inputs only or
+dicts, ``batch_fn`` for other formats)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitlib.checks import check_loader, len_or_none, one_shot_note, regroup_fix
+from fitlib.errors import describe, name_of, reraise
+from fitlib.structure import map_tensors
+
+
+class DataBunch:
+    """The training and validation loaders, and the device to train on.
+
+    Args:
+        train_dl: an iterable of ``(x, y)`` batches (e.g. a ``DataLoader``);
+            None for a model that is only evaluated (``valid_dl`` given).
+        valid_dl: the same for validation, or None to skip validation.
+        device: where the ``Learner`` puts the model; None picks CUDA when
+            available, else the CPU. ``fit`` moves batches to the model's device.
+        batch_fn: turns each batch the loaders yield into ``(x, y)`` (or
+            inputs only); for loaders of another format (a DALI iterator's
+            batch objects, a dict). Applied to every batch of every epoch,
+            training and validation, before the batch moves to the device.
+
+    Example:
+        >>> data = DataBunch(DataLoader(train_ds, 64, shuffle=True),
+        ...                  DataLoader(valid_ds, 128))
+        >>> dali = DataBunch(train_it, valid_it,
+        ...                  batch_fn=lambda b: (b[0]["data"], b[0]["label"]))
+    """
+
+    def __init__(
+        self,
+        train_dl: Iterable,
+        valid_dl: Iterable | None = None,
+        device: torch.device | str | None = None,
+        batch_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if batch_fn is not None and not callable(batch_fn):
+            raise TypeError(
+                f"DataBunch: batch_fn must be a function or None; got "
+                f"{batch_fn!r} ({type(batch_fn).__name__}). Fix: a function of one "
+                "loader batch that returns (x, y), e.g. "
+                "batch_fn=lambda b: (b.data[0], b.label[0])."
+            )
+        self.batch_fn = batch_fn
+        # Either may be None (inference only needs valid_dl); fit checks
+        # train_dl before training.
+        for name, dl in (("train_dl", train_dl), ("valid_dl", valid_dl)):
+            if dl is not None or (name == "train_dl" and valid_dl is None):
+                check_loader(dl, name)
+        self.train_dl, self.valid_dl = train_dl, valid_dl
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = check_device(device)
+
+    def __repr__(self) -> str:
+        train, valid = len_or_none(self.train_dl), len_or_none(self.valid_dl)
+        return (
+            f"DataBunch({train} train batches, {valid} valid batches, "
+            f"device={self.device})"
+        )
+
+
+def check_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, if torch knows it and it is available."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device {device!r} is not a torch device ({e}). Fix: 'cpu', 'cuda', "
+            "'cuda:1' or 'mps', or None to pick CUDA when available."
+        ) from None
+    available = {
+        "cuda": torch.cuda.is_available,
+        "mps": torch.backends.mps.is_available,
+    }
+    if device.type in available and not available[device.type]():
+        raise ValueError(
+            f"device {str(device)!r} is not available on this machine (torch "
+            f"sees no {device.type.upper()} device). Fix: device='cpu', or None "
+            "to use CUDA only where it exists."
+        )
+    return device
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a parameterless one)."""
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """Moves a tensor, or the tensors in a structure (tuple, list, dict,
+    dataclass), to ``device``."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        # Asynchronous only towards CUDA: a copy to the host must be complete
+        # before Python reads it.
+        return t.to(device, non_blocking=device.type == "cuda")
+
+    return map_tensors(move, x)
+
+
+def batches(
+    dl: Iterable,
+    device: torch.device,
+    name: str = "dl",
+    batch_fn: Callable[[Any], Any] | None = None,
+) -> Iterator[tuple]:
+    """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their
+    form; a batch of inputs only (``(x,)`` or a tensor) comes as ``(x, ())``:
+    no targets, so ``loss_func(output)``; a dict batch as ``(batch,
+    batch["labels"])`` (or ``(batch, ())``), see ``unpaired``. ``batch_fn``
+    first turns each batch of ``dl`` into one of those."""
+    n = 0
+    for batch in dl:
+        if batch_fn is not None:
+            batch = _adapted(batch_fn, batch, name, first=n == 0)
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            x, y = batch
+        else:
+            x, y = unpaired(batch, name)
+        # to_device's common case inline (this runs per step): tensors there.
+        if type(x) is not torch.Tensor or x.device != device:
+            x = to_device(x, device)
+        if type(y) is not torch.Tensor or y.device != device:
+            y = to_device(y, device)
+        yield x, y
+        n += 1
+    # An empty sized loader was refused before training; one that says it has
+    # batches and yields none is spent (a one-shot iterator). Length 0 is the
+    # rest of an epoch a checkpoint resumed after its last batch.
+    if n == 0 and len_or_none(dl) != 0:
+        raise ValueError(
+            f"{name} yielded no batches; fitlib needs at least one."
+            + (one_shot_note(dl) or " Fix: check the dataset's length.")
+        )
+
+
+def _adapted(
+    batch_fn: Callable[[Any], Any], batch: Any, name: str, first: bool = False
+) -> Any:
+    """``batch_fn(batch)``, refused unless it is a batch fitlib takes (and, at
+    the ``first`` batch of a loader, unless it holds arrays, not tensors)."""
+    try:
+        new = batch_fn(batch)
+    except Exception as e:
+        reraise(e, f"batch_fn {name_of(batch_fn)} failed on a batch of {name}: "
+                f"{describe(batch)}.")  # fmt: skip
+    pair = isinstance(new, (tuple, list)) and len(new) in (1, 2)
+    if not (pair or isinstance(new, (torch.Tensor, dict))):
+        raise TypeError(
+            f"batch_fn {name_of(batch_fn)} returned {describe(new)} for a batch of "
+            f"{name}; it must return (x, y), or inputs only: (x,), a tensor or a "
+            "dict of inputs. "
+            "Fix: e.g. return (batch.data[0], batch.label[0])."
+        )
+    array = _first_array(new) if first else None
+    if array is not None:
+        kind = type(array).__name__
+        kind = "numpy arrays" if kind == "ndarray" else f"{kind} arrays"
+        shape = tuple(getattr(array, "shape", ()))
+        raise TypeError(
+            f"batch_fn {name_of(batch_fn)} returned {describe(new)} for a batch of "
+            f"{name}: {kind} (the first: shape {shape}, {getattr(array, 'dtype', '?')}"
+            "), where fitlib needs tensors (it moves them to the device; the "
+            "model and the loss take tensors). Fix: return tensors, e.g. "
+            "torch.as_tensor(a) for each array a (torch.from_numpy(a) shares "
+            "its memory)."
+        )
+    return new
+
+
+def _first_array(x: Any) -> Any:
+    """The first array that is not a tensor (numpy's, or any with
+    ``__array__``) in a batch's tuples, lists and dicts; None if none."""
+    if isinstance(x, torch.Tensor):
+        return None
+    if hasattr(x, "__array__") and not isinstance(x, (str, bytes)):
+        return x
+    values = x.values() if isinstance(x, dict) else x
+    if isinstance(x, (tuple, list, dict)):
+        for v in values:
+            found = _first_array(v)
+            if found is not None:
+                return found
+    return None
+
+
+def unpaired(batch: Any, name: str = "dl") -> tuple[Any, Any]:
+    """``(x, y)`` of a batch that is no pair: inputs only, ``(x,)`` or a
+    tensor (an autoencoder's, a GAN's), with no targets (``()``); or a dict of
+    inputs (``model(**batch)``, as ``transformers``' collators make them),
+    whose ``"labels"``, if any, are also the targets. Anything else is
+    refused."""
+    if isinstance(batch, torch.Tensor):
+        return batch, ()
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        return batch[0], ()
+    if isinstance(batch, dict) and batch:
+        labels = batch.get("labels")
+        return batch, () if labels is None else labels
+    raise TypeError(
+        f"{name} yielded a batch of {describe(batch)}; fitlib needs each batch "
+        "to be an (x, y) pair (x: inputs, y: targets; either may be a tuple of "
+        "tensors), or inputs only: (x,), a tensor or a dict of inputs, the "
+        f"loss then called as loss_func(output). Fix: {regroup_fix(batch)}"
+    )
