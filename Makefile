@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint notebooks bench gpu-check clean
+.PHONY: demo test lint notebooks docs bench gpu-check clean
 
 $(VENV)/.base: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ notebooks: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider -n auto tests/test_notebooks.py \
 		-k test_notebook_runs --store-outputs
 
+# The documentation site (mkdocs.yml, docs/) into site/; a warning fails it.
+# tests/integration/test_site.py runs the same build.
+docs: $(VENV)/.dev
+	$(PY) -m mkdocs build --strict --site-dir site
+
 bench: $(VENV)/.base
 	$(PY) benchmarks/overhead.py --amp
 
@@ -50,4 +55,4 @@ gpu-check:
 	exit $$status
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -5,9 +5,9 @@ and returns its ``Learner``; ``python examples/<name>.py --help`` lists the
 arguments, with the example's own defaults.
 
 ``--threads`` (default 1) sets torch's CPU threads before training: the
-README's figures are at one thread, and the same seed gives other numbers with
-another thread count (a sum split over more threads rounds differently, and
-training carries the difference on).
+figures of the examples page (docs/examples.md) are at one thread, and the
+same seed gives other numbers with another thread count (a sum split over more
+threads rounds differently, and training carries the difference on).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def args(main: Callable[..., Any], doc: str) -> dict[str, Any]:
         "--threads",
         type=positive,
         default=1,
-        help="torch CPU threads (default: 1, as the README's figures were run; "
+        help="torch CPU threads (default: 1, as docs/examples.md's figures were run; "
         "another count gives other numbers)",
     )
     for name, default in defaults.items():  # an example's own switches

@@ -12,11 +12,11 @@ two values to each epoch's record, from 2,000 generated points:
 - ``quality``: the share of the points within 0.2 of some centre.
 
 ``--wgan-gp`` trains a Wasserstein GAN with the gradient penalty of the
-README's recipe (``GradientPenalty``) instead of the standard (binary
-cross-entropy) GAN: penalty weight 1 and 2 critic steps per generator step
-(the usual 10 and 5 did not learn this ring within 3,000 steps; 1 and 2
-covered all 8 modes for 20 seeds of 20 by step 832), 15 epochs by default
-instead of 12.
+docs' recipe (``GradientPenalty``, docs/how-to/change-a-training-step.md)
+instead of the standard (binary cross-entropy) GAN: penalty weight 1 and 2
+critic steps per generator step (the usual 10 and 5 did not learn this ring
+within 3,000 steps; 1 and 2 covered all 8 modes for 20 seeds of 20 by step
+832), 15 epochs by default instead of 12.
 
 Run it with::
 
@@ -81,7 +81,7 @@ class ModeCoverage(Callback):
 
 class GradientPenalty(Callback):
     """WGAN-GP: adds weight * (|grad C(x_hat)| - 1)^2 to the critic's loss
-    (the README's recipe for steps the loop cannot express)."""
+    (the docs' recipe, docs/how-to/change-a-training-step.md)."""
 
     order = -35  # before accumulation divides and float16 scales the loss
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
 
-from fitlib import Callback, DataBunch
+from fitlib import Callback, DataBunch, HPOptimizer, fit
 
 TESTS = Path(__file__).parent
 
@@ -51,6 +52,33 @@ def make_data(
         DataLoader(valid, bs),
         device="cpu",
     )
+
+
+def train(
+    callbacks=(),
+    epochs: int = 2,
+    *,
+    data: DataBunch | None = None,
+    model: nn.Module | None = None,
+    loss_func=F.cross_entropy,
+    metrics=(),
+    lr: float = 0.1,
+    mom: float | None = None,
+    opt_func=torch.optim.SGD,
+    **fit_kwargs,
+) -> nn.Module:
+    """The tests' one training run: ``fit`` on the tiny problem (``make_data``,
+    ``make_model``) with SGD at ``lr`` (and momentum ``mom``, if given), the
+    given callbacks and metrics; returns the trained model. Pass ``data``,
+    ``model`` or ``fit``'s other arguments (``max_steps``, ``train_metrics``)
+    to change one thing."""
+    model = make_model() if model is None else model
+    hypers = {"lr": lr} if mom is None else {"lr": lr, "mom": mom}
+    opt = HPOptimizer(model.parameters(), opt_func, **hypers)
+    data = make_data() if data is None else data
+    fit(epochs, model, loss_func, opt, data, list(callbacks), list(metrics),
+        **fit_kwargs)  # fmt: skip
+    return model
 
 
 def clone_params(model: nn.Module) -> list[torch.Tensor]:

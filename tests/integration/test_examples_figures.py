@@ -1,6 +1,7 @@
-"""The README's table of examples states what each default run gives, and under
-which conditions (seed 0, one torch thread, torch 2.14.1): each example runs
-here as the table says and must give the table's figures.
+"""The examples page (docs/examples.md) states in its table what each default
+run gives, and under which conditions (seed 0, one torch thread, torch
+2.14.1): each example runs here as the table says and must give the table's
+figures.
 
 A figure is matched to one unit of its last printed digit (plus 0.2% of it),
 so another thread count, which changes every figure of a run from the first
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "examples.md"
 sys.path.insert(0, str(ROOT / "examples"))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,9 +42,9 @@ GAN = re.compile(
 
 
 def table_rows() -> dict[str, str]:
-    """Each example's last column in the README's examples table."""
+    """Each example's last column in the examples page's table."""
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in PAGE.read_text().splitlines():
         found = ROW.match(line)
         if found:
             rows[found[1]] = found[2]
@@ -83,12 +85,12 @@ def test_the_table_lists_every_example():
 
 
 @pytest.mark.parametrize("name", sorted(table_rows()))
-def test_the_default_run_gives_the_readme_figures(name):
+def test_the_default_run_gives_the_pages_figures(name):
     row = table_rows()[name]
     example = importlib.import_module(name)
     table = example.main(progress=False).recorder.epoch_table()
     wrong = [
-        f"{key} of epoch {table[i]['epoch']}: {table[i][key]:.4f}, README {printed}"
+        f"{key} of epoch {table[i]['epoch']}: {table[i][key]:.4f}, page {printed}"
         for key, i, printed in expected(name, row)
         if not close(table[i][key], printed)
     ]

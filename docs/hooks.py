@@ -1,0 +1,155 @@
+"""Build hooks of the documentation site (``hooks:`` in mkdocs.yml).
+
+- ``on_files`` adds the notebooks, which stay in ``notebooks/``, as the pages
+  ``tutorials/<stem>.ipynb`` (mkdocs-jupyter renders them with their stored
+  outputs) and ``ARCHITECTURE.md``, which stays at the repository's root, as
+  the page ``explanation/architecture.md``;
+- ``on_page_markdown`` replaces the markers of ``reference/state.md`` with
+  tables generated from the code that defines them: ``STATE_KEYS``,
+  ``WRITABLE`` (``fitlib.callback``) and the callbacks' ``order``
+  (``fitlib.callbacks.order_table``), so the tables cannot drift;
+- ``on_serve`` makes ``mkdocs serve`` rebuild when those sources change.
+
+``ExampleSections`` is a griffe extension (mkdocs.yml, mkdocstrings'
+``extensions``): griffe reads a Google-style ``Examples:`` section as code,
+but ``Example:``, which most fitlib docstrings use, as a note whose ``>>>``
+lines render as nested quotes; it reads the one as the other.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import griffe
+from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File, Files
+from mkdocs_jupyter.plugin import NotebookFile
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+ARCHITECTURE_PAGE = "explanation/architecture.md"
+STATE_PAGE = "reference/state.md"
+
+
+class TutorialFile(NotebookFile):
+    """mkdocs-jupyter's page for a notebook, for one outside docs/: its
+    ``NotebookFile`` forwards attributes to the file it wraps, but the source
+    path it would compute from docs/, which a generated file has not."""
+
+    @property
+    def abs_src_path(self) -> str | None:
+        return self.file.abs_src_path
+
+
+class ExampleSections(griffe.Extension):
+    """Reads a docstring's ``Example:`` section as ``Examples:`` (code)."""
+
+    SINGULAR = re.compile(r"^(\s*)Example:[ \t]*$", re.M)
+
+    def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = self.SINGULAR.sub(r"\1Examples:", obj.docstring.value)
+
+
+def notebook_pages() -> dict[str, Path]:
+    """The tutorial pages, ``tutorials/<stem>.ipynb``, and their notebooks."""
+    return {f"tutorials/{nb.name}": nb for nb in sorted(NOTEBOOKS.glob("*.ipynb"))}
+
+
+def cell(text: str) -> str:
+    """Text for one cell of a Markdown table: on one line, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def state_keys_table() -> str:
+    """The state a hook receives, from ``fitlib.callback.STATE_KEYS``."""
+    from fitlib.callback import STATE_KEYS
+
+    if not isinstance(STATE_KEYS, dict):
+        raise PluginError(
+            "fitlib.callback.STATE_KEYS must map each key to what it holds (a "
+            f"dict), not a {type(STATE_KEYS).__name__}"
+        )
+    rows = [f"| `{key}` | {cell(meaning)} |" for key, meaning in STATE_KEYS.items()]
+    return "\n".join(["| key | what it holds |", "|---|---|", *rows])
+
+
+def writable_table() -> str:
+    """The events whose hooks may return each key, from ``fitlib.callback.WRITABLE``."""
+    from fitlib.callback import WRITABLE
+
+    rows = [
+        f"| `{key}` | {', '.join(f'`{event}`' for event in events)} |"
+        for key, events in WRITABLE.items()
+    ]
+    header = "| key | a hook may return it in |"
+    return "\n".join([header, "|---|---|", *rows])
+
+
+def order_page(name: str) -> str:
+    """The reference page of a callback class, relative to reference/state.md."""
+    import fitlib.callbacks
+
+    if name == "Callback":
+        return "callback.md"
+    module = getattr(fitlib.callbacks, name).__module__.rsplit(".", 1)[-1]
+    return f"callbacks/{module}.md"
+
+
+def order_markdown_table() -> str:
+    """The callback order table, from ``fitlib.callbacks.order_table()``."""
+    from fitlib.callbacks import order_table
+
+    rows = [
+        f"| {order} | [`{name}`]({order_page(name)}) | {cell(why)} |"
+        for name, order, why in order_table()
+    ]
+    return "\n".join(["| order | callback | why there |", "|---:|---|---|", *rows])
+
+
+# The markers of reference/state.md and the tables that replace them.
+TABLES = {
+    "<!-- generated: state-keys -->": state_keys_table,
+    "<!-- generated: writable -->": writable_table,
+    "<!-- generated: callback-order -->": order_markdown_table,
+}
+
+
+# After mkdocs-jupyter's on_files (priority 0), which would wrap these files in
+# its NotebookFile; they are wrapped in TutorialFile here instead.
+@event_priority(-100)
+def on_files(files: Files, config) -> Files:
+    generated = {
+        uri: TutorialFile(File.generated(config, uri, abs_src_path=str(path)), **config)
+        for uri, path in notebook_pages().items()
+    }
+    generated[ARCHITECTURE_PAGE] = File.generated(
+        config, ARCHITECTURE_PAGE, content=ARCHITECTURE.read_text(encoding="utf-8")
+    )
+    for uri, file in generated.items():
+        if files.get_file_from_path(uri) is not None:
+            raise PluginError(
+                f"docs/{uri} exists, but the build makes that page from "
+                f"{file.abs_src_path or ARCHITECTURE}: delete docs/{uri}"
+            )
+        files.append(file)
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if page.file.src_uri != STATE_PAGE:
+        return markdown
+    for marker, table in TABLES.items():
+        if marker not in markdown:
+            raise PluginError(f"docs/{STATE_PAGE} has lost its marker {marker}")
+        markdown = markdown.replace(marker, table())
+    return markdown
+
+
+def on_serve(server, config, builder):
+    for path in (NOTEBOOKS, ARCHITECTURE, ROOT / "fitlib"):
+        server.watch(str(path))
+    return server
