@@ -214,13 +214,15 @@ class Callback:
     ``**kwargs`` it receives every key; without, only those it names, which is
     faster: Python matches each keyword passed against the parameter names.
 
-    Example:
+    Examples:
         >>> class StopAfter(Callback):
         ...     def __init__(self, n):
         ...         self.n = n
         ...     def on_batch_end(self, iteration):
         ...         if iteration + 1 >= self.n:
         ...             return {"stop_training": True}
+        >>> fit(5, model, F.cross_entropy, opt, data, callbacks=[StopAfter(3)])
+        History(1 epoch: train_loss ..., valid_loss ...)
     """
 
     order: int = 0
@@ -310,8 +312,13 @@ def call_hook(cb: Callback, event: str, **state: Any) -> dict | None:
     The hook gets the state a new handler starts with, updated with ``state``
     (plus ``exception`` for ``on_train_end``), and its return value comes back.
 
-    Example:
-        >>> call_hook(rec, "on_epoch_end", last_metrics=[torch.tensor(0.3)])
+    Examples:
+        >>> from fitlib.callback import call_hook
+        >>> class Halve(Callback):
+        ...     def on_backward_begin(self, last_loss, **kwargs):
+        ...         return {"last_loss": last_loss / 2}
+        >>> call_hook(Halve(), "on_backward_begin", last_loss=torch.tensor(3.0))
+        {'last_loss': tensor(1.5000)}
     """
     if event not in EVENTS:
         raise ValueError(

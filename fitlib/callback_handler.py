@@ -32,16 +32,8 @@ from fitlib.errors import add_note, and_others, did_you_mean, unknown_name
 from fitlib.metrics.collection import Metrics
 from fitlib.metrics.functions import class_dims_of, swap_class_dims
 from fitlib.multi_optimizer import as_optimizer
-from fitlib.record import (
-    SMOOTH_BETA,
-    EpochTally,
-    Record,
-    batch_size,
-    check_added,
-    check_record_names,
-    loss_count,
-    step_lr,
-)
+from fitlib.record import EpochTally, Record, check_added, check_record_names, step_lr
+from fitlib.running_loss import SMOOTH_BETA, batch_size, loss_count
 from fitlib.sharding import unwrap
 from fitlib.structure import map_tensors
 
@@ -57,7 +49,8 @@ def _detached(x: Any) -> Any:
 def callback_list(callbacks: Iterable[Any] | Callback | None) -> list[Callback]:
     """``callbacks`` as a checked list: None is none, one callback is a list of it.
 
-    Example:
+    Examples:
+        >>> from fitlib.callback_handler import callback_list
         >>> callback_list(Recorder())
         [Recorder(order=50)]
     """
@@ -215,19 +208,24 @@ class CallbackHandler:
     event nobody overrides costs one empty loop.
 
     ``fit`` makes one per run; to drive hooks around your own loop, call
-    each event where ``fit`` does (the README's "Event timeline" has the whole
+    each event where ``fit`` does (docs/how-to/drive-the-loop-yourself.md has the whole
     loop). An event before ``on_train_begin``, or ``loss_batch`` before
     ``on_batch_begin``, is refused with the call that is missing; a hook that
     fails on a key ``on_train_begin`` was not given gets a note naming it.
 
-    Example:
+    Examples:
         >>> handler = CallbackHandler([Recorder()])
+        >>> loss_func = F.cross_entropy
         >>> handler.on_train_begin(1, model=model, opt=opt, data=data,
         ...                        loss_func=loss_func)
-        >>> handler.on_epoch_begin()
+        >>> handler.on_epoch_begin()  # True: nothing (more) to train
+        False
+        >>> xb, yb = next(iter(data.train_dl))
         >>> xb, yb = handler.on_batch_begin(xb, yb)
         >>> handler.on_batch_end(loss_batch(model, xb, yb, loss_func, opt, handler))
+        False
         >>> handler.on_epoch_end(validate(model, data.valid_dl, loss_func))
+        False
         >>> handler.on_train_end(None)
     """
 

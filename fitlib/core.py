@@ -26,21 +26,17 @@ from fitlib.checks import (
     check_loader,
     check_model,
     check_trainable,
-    explain_model_error,
-    loss_check,
 )
 from fitlib.data import batches, model_device
 from fitlib.errors import ArgTypeError, describe, name_of, reraise
 from fitlib.history import History
+from fitlib.loss_checks import loss_check
 from fitlib.metrics.collection import Metrics
+from fitlib.model_errors import explain_model_error
 from fitlib.multi_optimizer import MultiOptimizer, as_optimizer
 from fitlib.optim import HPOptimizer
-from fitlib.record import (
-    RunningLoss,
-    batch_size,
-    loss_count,
-)
 from fitlib.rng import get_rng_state, set_rng_state
+from fitlib.running_loss import RunningLoss, batch_size, loss_count
 
 LossFunc = Callable[..., torch.Tensor] | None  # None: the model computes it
 # The first-batch checks of the loss, in training and in validation.
@@ -90,12 +86,18 @@ def fit(
         train_metrics: computed over the training batches each epoch (in
             train mode, as the model trains), reported as ``train_<name>``.
 
-    Example:
+    Examples:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> train_ds = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+        >>> valid_ds = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
         >>> opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-        >>> history = fit(3, model, F.cross_entropy, opt, DataBunch(train_dl,
-        ...               valid_dl), metrics=[accuracy])
-        >>> history[-1]["accuracy"]
-        0.93
+        >>> data = DataBunch(DataLoader(train_ds, 16), DataLoader(valid_ds, 32))
+        >>> history = fit(3, model, F.cross_entropy, opt, data, metrics=[accuracy])
+        >>> history
+        History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy 0.2812 -> 0.2812)
+        >>> history[-1]["accuracy"]  # random labels: chance
+        0.28125
     """
     history = History()
     for _ in fit_states(
@@ -137,9 +139,16 @@ def fit_states(
     Arguments as for ``fit``; ``history``, a list, receives each record as
     it is made (at each epoch's end, and at each validation inside one).
 
-    Example:
-        >>> for state in fit_states(None, model, loss_func, opt, data, max_steps=50):
-        ...     if state["step"] % 10 == 0: print(state["step"])
+    Examples:
+        >>> for state in fit_states(None, model, F.cross_entropy, opt, data,
+        ...                         max_steps=50):
+        ...     if state["step"] % 10 == 0:
+        ...         print(state["step"], state["epoch"])
+        10 2
+        20 4
+        30 7
+        40 9
+        50 12
     """
     opt = _start(epochs, max_steps, model, loss_func, opt, data)
     metrics = as_metrics(metrics, "metrics")
@@ -286,8 +295,11 @@ def loss_batch(
     to you); changes callbacks make to it in ``on_backward_begin`` only affect
     the backward pass.
 
-    Example:
-        >>> loss = loss_batch(model, xb, yb, F.cross_entropy, opt)
+    Examples:
+        >>> xb, yb = next(iter(data.train_dl))
+        >>> loss = loss_batch(model, xb, yb, F.cross_entropy, opt)  # one step
+        >>> loss
+        tensor(1.17...)
     """
     # fit and validate check the first batch's loss inputs (known only now); a
     # loop of the user's passes no handler, which could tell the first batch.
@@ -330,7 +342,7 @@ def validate(
     ``batch_fn`` turns each batch of ``dl`` into ``(x, y)``, as
     ``DataBunch(batch_fn=...)`` does in ``fit``.
 
-    The loss is averaged over what it averages over (``record.loss_count``):
+    The loss is averaged over what it averages over (``running_loss.loss_count``):
     the tokens a masked token loss keeps, else the samples (weighted by batch
     size), so a ragged last batch counts exactly and the result is the whole
     set's mean; metrics are accumulated on the device. When
@@ -338,9 +350,11 @@ def validate(
     shard), the loss sum, count and metric states are summed over the
     processes first, so every process gets the values of the whole set.
 
-    Example:
-        >>> valid_loss, acc = validate(model, valid_dl, F.cross_entropy,
+    Examples:
+        >>> valid_loss, acc = validate(model, data.valid_dl, F.cross_entropy,
         ...                            metrics=[accuracy])
+        >>> valid_loss, acc
+        (tensor(1.17..., dtype=torch.float64), tensor(0.2188, dtype=torch.float64))
     """
     check_loader(dl, "dl")
     metrics = metrics if isinstance(metrics, Metrics) else Metrics(metrics)
@@ -381,9 +395,12 @@ def evaluating(model: nn.Module) -> Iterator[None]:
     """Runs the block in eval mode without gradients, then puts back every
     module's train/eval mode (and the grad mode), also after an error.
 
-    Example:
+    Examples:
+        >>> from fitlib.core import evaluating
         >>> with evaluating(model):
-        ...     out = model(x)
+        ...     out = model(torch.randn(2, 8))
+        >>> out.requires_grad, model.training
+        (False, True)
     """
     modes = [(m, m.training) for m in model.modules()]
     model.eval()

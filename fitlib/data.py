@@ -30,11 +30,22 @@ class DataBunch:
             batch objects, a dict). Applied to every batch of every epoch,
             training and validation, before the batch moves to the device.
 
-    Example:
-        >>> data = DataBunch(DataLoader(train_ds, 64, shuffle=True),
-        ...                  DataLoader(valid_ds, 128))
-        >>> dali = DataBunch(train_it, valid_it,
+    Examples:
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> train_ds = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+        >>> valid_ds = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+        >>> DataBunch(DataLoader(train_ds, 64, shuffle=True),
+        ...           DataLoader(valid_ds, 128))
+        DataBunch(1 train batches, 1 valid batches, device=cpu)
+
+        A loader of other batches (DALI's: a list of dicts) with ``batch_fn``:
+
+        >>> xs, ys = torch.randn(4, 2, 8), torch.randint(0, 3, (4, 2))
+        >>> dali_like = [[{"data": x, "label": y}] for x, y in zip(xs, ys)]
+        >>> dali = DataBunch(dali_like,
         ...                  batch_fn=lambda b: (b[0]["data"], b[0]["label"]))
+        >>> fit(1, model, F.cross_entropy, opt, dali)
+        History(1 epoch: train_loss ...)
     """
 
     def __init__(

@@ -269,7 +269,7 @@ class GANLoss:
       cross-entropy, real 1 and fake 0), the generator's loss the
       non-saturating one (its fakes taken for real);
     - ``"wgan"``: Wasserstein (critic ``mean(fake) - mean(real)``, generator
-      ``-mean(fake)``); add a gradient penalty (the README's WGAN-GP recipe)
+      ``-mean(fake)``); add a gradient penalty (docs/how-to/change-a-training-step.md)
       or clip the critic's weights;
     - ``"hinge"``: hinge loss for the critic, ``-mean(fake)`` for the generator;
     - ``"lsgan"``: least squares.

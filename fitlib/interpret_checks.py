@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitlib.checks import len_or_none, loss_check
+from fitlib.checks import len_or_none
 from fitlib.errors import ArgTypeError, is_int, is_number, name_of
+from fitlib.loss_checks import loss_check
 
 FIX_LOSS = (
     "Fix: use a classification loss, such as loss_func=F.cross_entropy "

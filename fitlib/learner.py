@@ -51,6 +51,7 @@ from fitlib.core import as_metrics, as_tuple, fit_states, validate
 from fitlib.data import model_device, to_device
 from fitlib.errors import name_of
 from fitlib.history import History
+from fitlib.host_copy import to_floats
 from fitlib.multi_optimizer import MultiOptimizer, check_part_names, spread_over_parts
 from fitlib.optim import (
     LR,
@@ -59,9 +60,9 @@ from fitlib.optim import (
     check_opt_func,
 )
 from fitlib.parts import by_part, part_groups
-from fitlib.record import first_tensor, to_floats
 from fitlib.resume import give_states, not_a_file
 from fitlib.rng import get_rng_state, set_rng_state
+from fitlib.running_loss import first_tensor
 from fitlib.serialization import (
     atomic_save,
     check_model_state,
@@ -145,11 +146,14 @@ class Learner:
         compile: train through ``torch.compile`` (True, or a dict of its
             arguments): the same as ``learn.compile(...)``.
 
-    Example:
-        >>> learn = Learner(DataBunch(train_dl, valid_dl), model,
-        ...                 loss_func=F.cross_entropy, metrics=[accuracy])
+    Examples:
+        >>> learn = Learner(data, model, loss_func=F.cross_entropy,
+        ...                 metrics=[accuracy], progress=False)
         >>> learn.fit(3, lr=1e-2)
+        History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                accuracy 0.4062 -> 0.5)
         >>> learn.recorder.plot_losses()
+        <Axes: xlabel='iteration', ylabel='loss'>
     """
 
     def __init__(
@@ -622,8 +626,10 @@ class Learner:
         another name for it (``OneCycleScheduler``'s): pass one of the two.
         ``total_steps`` is needed only for a loader without a length.
 
-        Example:
+        Examples:
             >>> learn.fit_one_cycle(5, lr=1e-2)
+            History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                    accuracy ... -> ...)
         """
         if lr is None and max_lr is None:
             lr = self._default_lr()
@@ -645,8 +651,10 @@ class Learner:
     ) -> History:
         """Trains at ``lr`` for ``pct_start`` of the steps, then anneals to 0.
 
-        Example:
+        Examples:
             >>> learn.fit_flat_cos(5, lr=1e-3)
+            History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                    accuracy ... -> ...)
         """
         lrs = self.lr_range(lr)  # spread over the layer groups, once
         _check_fraction("pct_start", pct_start, "Learner.fit_flat_cos")
@@ -665,8 +673,10 @@ class Learner:
     ) -> History:
         """Warms up linearly from 0 to ``lr``, then anneals along a cosine to 0.
 
-        Example:
+        Examples:
             >>> learn.fit_warmup_cos(5, lr=1e-3, pct_warmup=0.05)
+            History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                    accuracy ... -> ...)
         """
         lrs = self.lr_range(lr)  # spread over the layer groups, once
         _check_fraction("pct_warmup", pct_warmup, "Learner.fit_warmup_cos")
@@ -716,10 +726,11 @@ class Learner:
         optimizer with the momentum you will train with (e.g. ``opt_func=
         partial(torch.optim.SGD, momentum=0.9)``), or pass ``moms=None``.
 
-        Example:
-            >>> learn.lr_find()
-            SuggestedLRs(valley=0.0011, steepest=0.0025, min_div10=0.0036)
+        Examples:
+            >>> learn.lr_find(num_it=40)  # 64 samples: a short sweep
+            SuggestedLRs(valley=..., steepest=..., min_div10=...)
             >>> learn.recorder.plot_lr_find()
+            <Axes: xlabel='learning rate', ylabel='loss (smoothed)'>
         """
         finder = LRFinder(start_lr, end_lr, num_it, stop_div, mode)
         had_opt = self.opt is not None
@@ -757,11 +768,14 @@ class Learner:
         ``on_train_end`` runs). Each snapshot reads the loss from the device:
         one sync per ``every`` steps.
 
-        Example:
-            >>> for snap in learn.fit_snapshots(n_steps=500, every=100):
-            ...     print(snap.step, snap.loss)
-            ...     if snap.loss < 0.1:
+        Examples:
+            >>> for snap in learn.fit_snapshots(n_steps=500, every=25, lr=1e-2):
+            ...     print(snap.step, f"{snap.loss:.2f}")
+            ...     if snap.loss < 0.5:
             ...         break
+            25 0.85
+            50 0.71
+            75 0.28
         """
         owner = "Learner.fit_snapshots"
         check_int(n_steps, "n_steps", minimum=1, owner=owner, example=500)
@@ -812,8 +826,10 @@ class Learner:
         Creates the optimizer fused (SGD, Adam, AdamW), so skipping a step with
         non-finite gradients costs no host-device sync. Returns the Learner.
 
-        Example:
-            >>> learn = Learner(data, model).to_fp16()
+        Examples:
+            >>> learn = Learner(data, model, F.cross_entropy).to_fp16()
+            >>> learn.callbacks  # float16 needs a GPU; on a CPU, to_bf16()
+            [MixedPrecision(dtype=torch.float16)]
         """
         return self._set_precision(MixedPrecision(torch.float16))
 
@@ -835,8 +851,11 @@ class Learner:
         graphs of its own for ``predict``'s batch of one and each new
         ``get_preds`` batch shape (counted against torch's recompile limit).
 
-        Example:
-            >>> learn = Learner(data, model).compile(mode="max-autotune")
+        Examples:
+            >>> learn = Learner(data, model, F.cross_entropy)
+            >>> learn = learn.compile(mode="max-autotune")
+            >>> learn.callbacks
+            [Compile(mode='max-autotune')]
         """
         compiler = Compile(**kwargs)  # checked before anything changes
         self.callbacks = [cb for cb in self.callbacks if not isinstance(cb, Compile)]
@@ -848,8 +867,20 @@ class Learner:
         model's 4-D weights and each batch's 4-D inputs (see ``ChannelsLast``).
         Returns the Learner.
 
-        Example:
-            >>> learn = Learner(data, resnet).to_channels_last().to_bf16()
+        Examples:
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(),
+            ...                         nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            ...                         nn.Linear(8, 3))
+            >>> images = TensorDataset(torch.randn(32, 3, 8, 8),
+            ...                        torch.randint(0, 3, (32,)))
+            >>> learn = Learner(DataBunch(DataLoader(images, 16)), convnet,
+            ...                 F.cross_entropy, progress=False)
+            >>> learn = learn.to_channels_last().to_bf16()
+            >>> learn.callbacks
+            [ChannelsLast(order=-210), MixedPrecision(dtype=torch.bfloat16)]
+            >>> learn.fit(1, lr=1e-3)
+            History(1 epoch: train_loss ...)
         """
         check_convolutional(self.model)  # refused now, not at the next fit
         self.callbacks = [c for c in self.callbacks if not isinstance(c, ChannelsLast)]
@@ -869,9 +900,14 @@ class Learner:
         ``python`` run. ``backend=None`` is gloo when the data's device is the
         CPU, even where a GPU is visible, else NCCL where CUDA is.
 
-        Example:
-            >>> learn = Learner(data, model).to_distributed()  # torchrun ... train.py
-            >>> learn.to_distributed(strategy="fsdp", fsdp_units=(Block,))
+        Examples:
+            In a script that ``torchrun`` starts (``torchrun --nproc_per_node=2
+            train.py``); started as a plain process it trains as without it:
+
+            >>> learn = Learner(data, model, F.cross_entropy).to_distributed()
+            >>> learn = learn.to_distributed(strategy="fsdp", fsdp_units=(nn.Linear,))
+            >>> learn.callbacks
+            [DistributedTrainer(fsdp, gloo, off)]
         """
         self.callbacks = [cb for cb in self.callbacks if not _is_dist(cb)]
         device = getattr(self.data, "device", None)

@@ -1,8 +1,9 @@
 """The epoch record: one named dict of an epoch's values, and the sums behind it.
 
 ``EpochTally`` keeps, on the device, what an epoch's record needs from its
-batches: the weighted sum of the training losses (by samples, or by what a
-token loss averages over: ``loss_count``), the parts of a loss
+batches: the weighted sum of the training losses (``RunningLoss``, by
+samples or by what a token loss averages over: ``fitlib.running_loss``), the
+parts of a loss
 that returns a dict (training and validation), the training metrics, and the
 epoch's clock. At the epoch's end ``EpochTally.record`` reads all of it and the
 validation values in one host transfer, and returns the record:
@@ -12,9 +13,10 @@ validation values in one host transfer, and returns the record:
      "time": 0.41}
 
 A value that was not computed in the epoch (validation skipped, no training
-batch) is None. The handler (``fitlib.callback``) owns the tally, puts the
-record in ``state["record"]`` before ``on_epoch_end`` and merges the values
-callbacks add (``add_values``). Not a callback.
+batch) is None. The handler (``fitlib.callback_handler``) owns the tally,
+puts the record in ``state["record"]`` before ``on_epoch_end`` and merges the
+values callbacks add, checked here (``check_record_names``, ``check_added``).
+Not a callback.
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 import fitlib.ranks as ranks
-from fitlib.checks import ignore_index_of, is_class_index_loss
-from fitlib.errors import add_note, describe, did_you_mean
-from fitlib.metrics.accumulate import accumulation_dtype, weighted_sum
+from fitlib.errors import describe, did_you_mean
+from fitlib.host_copy import to_floats
 from fitlib.metrics.collection import Metrics
+from fitlib.running_loss import RunningLoss
 
 Record = dict[str, Any]
 # Values the loop owns: a callback may not add a value of these names.
@@ -39,282 +41,6 @@ LOOP_KEYS = ("epoch", "step", "train_loss", "valid_loss", "lr", "time")
 # The order of the first callback that reads the record (ReduceLROnPlateau):
 # a callback adds values before it.
 ADD_BEFORE = 40
-# Batches whose losses wait as separate tensors: then they are summed into
-# one on the device (no sync), so an epoch of any length keeps little.
-FOLD = 1024
-
-
-def to_floats(scalars: list[torch.Tensor], extra: Iterable = ()) -> list[float]:
-    """0-dim tensors (one device), then ``extra``, as floats in one host transfer.
-
-    This is the one sync an epoch end needs: stack on the device, then copy.
-    """
-    groups = [list(scalars), [torch.as_tensor(v).reshape(()) for v in extra]]
-    groups = [g for g in groups if g]
-    if not groups:
-        return []
-    device = groups[0][0].device
-    dtype = accumulation_dtype(device)
-    # Stacking each group apart: one stack of mixed dtypes is 4x slower.
-    return torch.cat([torch.stack(g).to(device, dtype) for g in groups]).tolist()
-
-
-class HostCopy:
-    """0-dim tensors copied to the host without waiting for the device.
-
-    On CUDA the copy goes to pinned memory on the current stream, followed by
-    an event: ``ready()`` asks the event (no sync) and ``get()`` returns the
-    floats, waiting only when the copy has not finished. Elsewhere the values
-    are read at once (``ready()`` is True). What reads a value only to show it
-    (the progress bar) shows the last copy that is ready: no step waits for it.
-
-    Examples:
-        >>> from fitlib.record import HostCopy
-        >>> copy = HostCopy([torch.tensor(2.5)])
-        >>> copy.ready(), copy.get()
-        (True, [2.5])
-    """
-
-    def __init__(self, scalars: list[torch.Tensor]) -> None:
-        values = torch.stack([t.detach().reshape(()).float() for t in scalars])
-        self._event = None
-        if values.device.type == "cuda":
-            self._host = torch.empty(values.shape, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            self._values = None
-        else:
-            self._values = values.tolist()
-
-    def ready(self) -> bool:
-        """Whether ``get()`` returns without waiting for the device."""
-        return self._event is None or self._event.query()
-
-    def get(self) -> list[float]:
-        """The values (waits for the copy if it has not finished)."""
-        if self._values is None:
-            self._event.synchronize()
-            self._values = self._host.tolist()
-        return self._values
-
-
-def batch_size(yb: Any, xb: Any = None) -> int:
-    """The number of samples in a batch, read from the targets (or inputs)."""
-    for part in (yb, xb):
-        t = first_tensor(part)
-        if t is not None and t.ndim:
-            return t.shape[0]
-    return 1
-
-
-def first_tensor(x: Any) -> torch.Tensor | None:
-    """The first tensor in a tensor, tuple, list or dict (nested), or None."""
-    while isinstance(x, (tuple, list, dict)) and x:
-        x = next(iter(x.values())) if isinstance(x, dict) else x[0]
-    return x if isinstance(x, torch.Tensor) else None
-
-
-def loss_count(loss_func: Any) -> Callable[[Any, Any], torch.Tensor | None] | None:
-    """What a batch's loss is a mean over, when that is not the batch's
-    samples: a function ``(output, targets)`` giving a 0-dim device tensor
-    (no sync), or None for that batch; None when every batch is weighted by
-    its samples. The epoch's loss is then the mean over the whole set of what
-    the loss averages over, as one pass over the set would compute it.
-
-    - A loss with a ``count`` attribute (``fitlib.sequences.
-      masked_cross_entropy`` has one; yours may): ``count(output, *targets)``,
-      with a ``functools.partial``'s keywords passed on.
-    - Cross-entropy and NLL (functions, modules, partials) on class indices
-      with more than one dim (per token, per pixel): the targets that are not
-      ``ignore_index``, each weighted by its class's ``weight`` when given.
-      Class indices of shape ``(B,)`` count as ``B`` samples.
-
-    Examples:
-        >>> from fitlib.record import loss_count
-        >>> count = loss_count(F.cross_entropy)
-        >>> count(None, torch.tensor([[1, 2, -100]]))
-        tensor(2)
-    """
-    func = getattr(loss_func, "func", loss_func)
-    keywords = getattr(loss_func, "keywords", None) or {}
-    counter = getattr(func, "count", None)
-    if counter is not None:
-        return _checked_count(counter, keywords)
-    reduction = keywords.get("reduction", getattr(loss_func, "reduction", "mean"))
-    if not is_class_index_loss(loss_func) or reduction != "mean":
-        return None  # a summed loss is not a mean over anything: by samples
-    ignore = ignore_index_of(loss_func)
-    weight = getattr(loss_func, "weight", None)
-    weight = keywords.get("weight") if weight is None else weight
-
-    def count(out: Any, yb: Any) -> torch.Tensor | None:
-        if type(yb) is not torch.Tensor or yb.ndim < 2 or yb.is_floating_point():
-            return None
-        kept = yb != ignore
-        if weight is None:
-            return kept.sum()
-        return (weight.to(yb.device)[yb.where(kept, 0)] * kept).sum()
-
-    # Decided by the targets' shape alone: a fit whose first batch is counted
-    # by samples stops asking (no call per step).
-    count.by_shape = True
-    return count
-
-
-def _shown(x: Any) -> str:
-    return describe(x) if isinstance(x, torch.Tensor) else f"{x!r} ({type(x).__name__})"
-
-
-def _checked_count(counter: Any, keywords: dict) -> Callable[[Any, Any], Any]:
-    """``counter`` called as ``count(output, *targets, **keywords)``, its
-    result checked: None, an int, or a 0-dim tensor."""
-    if not callable(counter):
-        raise TypeError(
-            f"loss_func has a count attribute that is not a function: "
-            f"{_shown(counter)}. fitlib calls count(output, *targets) for what "
-            "each batch's loss is a mean over. Fix: a function, e.g. "
-            "lambda out, y: (y != -100).sum(), or remove the attribute."
-        )
-
-    def count(out: Any, yb: Any) -> Any:
-        targets = yb if isinstance(yb, (tuple, list)) else (yb,)
-        try:
-            n = counter(out, *targets, **keywords)
-        except TypeError as e:
-            add_note(e, "fitlib: raised in loss_func.count(output, *targets)")
-            raise
-        if n is None or (type(n) is torch.Tensor and n.ndim == 0):
-            return n
-        if isinstance(n, int) and not isinstance(n, bool):
-            return n
-        raise TypeError(
-            f"loss_func.count returned {_shown(n)}; it must return what the "
-            "batch's loss is a mean over, as one number: an int or a 0-dim "
-            "tensor (e.g. (y != -100).sum()), or None to weigh the batch by "
-            "its samples."
-        )
-
-    return count
-
-
-class RunningLoss:
-    """A weighted sum of losses, kept as device tensors until read.
-
-    Each batch's loss is a mean over its ``size``: its samples (an int), or
-    what the loss averages over when that is counted on the device (a 0-dim
-    tensor: the tokens a masked token loss keeps; see ``loss_count``). ``add``
-    only appends (no sync; every ``FOLD`` batches one device op sums them, so
-    memory stays bounded); ``pending`` gives the sum (and the device count, if
-    any) as device tensors to read together with other values in one
-    transfer; ``mean`` turns what was read into the mean. ``state_dict``
-    reads the sums (one sync: call it when saving), and restored sums are
-    added in.
-
-    Examples:
-        >>> from fitlib.record import RunningLoss, to_floats
-        >>> loss = RunningLoss()
-        >>> loss.add(torch.tensor(1.0), 4); loss.add(torch.tensor(6.0), 1)
-        >>> loss.mean(to_floats(loss.pending()))
-        2.0
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self, total: float = 0.0, count: float = 0) -> None:
-        """Forgets the losses; ``total`` and ``count`` start the sums (restored)."""
-        self._losses: list[torch.Tensor] = []
-        self._sizes: list[int | torch.Tensor] = []
-        self._folded: torch.Tensor | None = None  # the sum of earlier batches
-        self._folded_count = 0  # their sizes that were ints
-        self._folded_counted: torch.Tensor | None = None  # and tensors
-        self._total, self._count = float(total), count
-
-    def add(self, loss: torch.Tensor, size: int | torch.Tensor) -> None:
-        """Adds a batch's detached loss, a mean over ``size`` (samples, or a
-        0-dim device tensor: what the loss averaged over)."""
-        self._losses.append(loss)
-        self._sizes.append(size)
-        if len(self._losses) >= FOLD:
-            self._folded_count = self.samples - self._count
-            self._folded, self._folded_counted = self._sums()
-            self._losses, self._sizes = [], []
-
-    @property
-    def samples(self) -> float:
-        """The sizes added as ints (restored counts included); the device
-        counts are in ``pending()``."""
-        ints = sum(s for s in self._sizes if type(s) is not torch.Tensor)
-        return self._count + self._folded_count + ints
-
-    @property
-    def empty(self) -> bool:
-        """Whether nothing was added (nor restored)."""
-        return not (self._losses or self._folded is not None or self._count)
-
-    @property
-    def restored(self) -> tuple[float, float]:
-        """The sum and count that ``reset`` (or ``load_state_dict``) started from."""
-        return self._total, self._count
-
-    def _sums(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The device sum of ``size * loss`` over the batches added, and the
-        sum of the sizes that are tensors (None where there are none)."""
-        total, counted = self._folded, self._folded_counted
-        by_int = [(v, s) for v, s in zip(self._losses, self._sizes, strict=True)
-                  if type(s) is not torch.Tensor]  # fmt: skip
-        if by_int:
-            part = weighted_sum(*map(list, zip(*by_int, strict=True)))
-            total = part if total is None else total + part
-        if len(by_int) < len(self._losses):
-            by_tensor = [(v, s) for v, s in zip(self._losses, self._sizes, strict=True)
-                         if type(s) is torch.Tensor]  # fmt: skip
-            values, sizes = (torch.stack(x) for x in zip(*by_tensor, strict=True))
-            dtype = accumulation_dtype(values.device)
-            sizes = sizes.to(dtype)
-            # A batch with nothing to average (every target ignored) has a NaN
-            # mean and weight 0: it adds nothing (NaN * 0 would be NaN).
-            part = torch.where(sizes > 0, values.to(dtype) * sizes, 0).sum()
-            total = part if total is None else total + part
-            counted = sizes.sum() if counted is None else counted + sizes.sum()
-        return total, counted
-
-    def pending(self) -> list[torch.Tensor]:
-        """``[sum of size * loss]``, and the sum of the device sizes when there
-        are any, over the batches added; ``[]`` if none."""
-        total, counted = self._sums()
-        if total is None:
-            return []
-        return [total] if counted is None else [total, counted]
-
-    def mean(self, read: list[float]) -> float:
-        """The mean loss per sample (or per what was counted), given
-        ``pending()`` read as floats."""
-        total = self._total + (read[0] if read else 0.0)
-        n = self.samples + (read[1] if len(read) > 1 else 0)
-        return total / n if n else math.nan
-
-    def sum_and_count(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sum and the count as device tensors (restored ones included),
-        on the device and in the dtype of ``like``: for a collective."""
-        total, counted = self._sums()
-        total = like.new_full((), self._total) + (0 if total is None else total)
-        count = like.new_full((), self.samples)  # a fill: no host-to-device copy
-        return total, count if counted is None else count + counted
-
-    def state_dict(self) -> dict:
-        """The sum and count as python numbers (reads the device: one sync)."""
-        read = to_floats(self.pending())
-        total = self._total + (read[0] if read else 0.0)
-        return {
-            "total": total,
-            "count": self.samples + (read[1] if len(read) > 1 else 0),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restores ``state_dict``: later batches add to the restored sum."""
-        self.reset(state["total"], state["count"])
 
 
 class EpochTally:
@@ -671,32 +397,3 @@ def _check_scalar(owner: str, name: str, value: Any) -> None:
             "record value is one number: an int, a float, a one-element tensor "
             "or None (not computed). Fix: reduce it first, e.g. t.mean()."
         )
-
-
-SMOOTH_BETA = 0.98  # smooth_loss's, as fastai's
-
-
-class LossSmoother:
-    """The average of ``smooth_loss``, on the host, over python floats.
-
-    A callback that needs the smoothed loss only at epoch end keeps the raw
-    losses and smooths them here, in float64: the same numbers, without the
-    device op per batch that ``state['smooth_loss']`` costs.
-
-    Examples:
-        >>> from fitlib.record import LossSmoother
-        >>> LossSmoother()([2.0, 1.0])
-        [2.0, 1.4949494949494933]
-    """
-
-    def __init__(self) -> None:
-        self.avg, self.n = 0.0, 0
-
-    def __call__(self, losses: Iterable[float]) -> list[float]:
-        """Adds ``losses`` in order; returns the debiased average after each."""
-        out = []
-        for loss in losses:
-            self.n += 1
-            self.avg += (1 - SMOOTH_BETA) * (loss - self.avg)
-            out.append(self.avg / (1 - SMOOTH_BETA**self.n))
-        return out

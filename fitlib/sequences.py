@@ -198,4 +198,4 @@ def _count_kept(
     return (y != ignore_index).sum()
 
 
-masked_cross_entropy.count = _count_kept  # read by fitlib.record.loss_count
+masked_cross_entropy.count = _count_kept  # read by fitlib.running_loss.loss_count

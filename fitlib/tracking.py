@@ -26,7 +26,7 @@ from fitlib.checks import check_int, check_path
 from fitlib.errors import ArgTypeError
 
 # RunningLoss and step_lr live with the epoch record; imported from here too.
-from fitlib.record import to_floats
+from fitlib.host_copy import to_floats
 from fitlib.serialization import new_temporary, optimizer_identity
 
 

@@ -222,19 +222,3 @@ def test_every_constructor_taking_a_path_refuses_an_empty_one_alike(make, name, 
         make(blank)
     assert not isinstance(info.value, TypeError)
     assert f"not empty or blank; got {blank!r} (str). Fix: e.g." in str(info.value)
-
-
-def test_takes_probabilities_knows_bce_as_function_partial_and_module():
-    import functools
-
-    from torch import nn
-    from torch.nn import functional as F  # noqa: N812
-
-    from fitlib.checks import takes_probabilities
-
-    assert takes_probabilities(F.binary_cross_entropy)
-    assert takes_probabilities(functools.partial(F.binary_cross_entropy, weight=None))
-    assert takes_probabilities(nn.BCELoss())
-    assert not takes_probabilities(F.binary_cross_entropy_with_logits)
-    assert not takes_probabilities(nn.BCEWithLogitsLoss())
-    assert not takes_probabilities(None)

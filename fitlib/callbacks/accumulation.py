@@ -23,7 +23,7 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.checks import check_int, len_or_none
-from fitlib.record import batch_size
+from fitlib.running_loss import batch_size
 
 
 class GradientAccumulation(Callback):

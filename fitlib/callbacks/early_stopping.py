@@ -77,8 +77,9 @@ class EarlyStopping(Callback):
             epochs since a value last beat both the best and the baseline).
         best_epoch: the epoch of the best value, or None.
         stopped_epoch: the epoch after which it stopped training, or None.
-        best_step, stopped_step: the steps of those records, when records
-            carry their step (validations inside epochs), else None.
+        best_step: the step of the best record, when records carry their
+            step (validations inside epochs), else None.
+        stopped_step: the step of the record after which it stopped, likewise.
 
     Examples:
         >>> stop = EarlyStopping("accuracy", patience=2, restore_best=True)

@@ -34,7 +34,7 @@ from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.core import fit
 from fitlib.errors import is_number
-from fitlib.record import to_floats
+from fitlib.host_copy import to_floats
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import host_copy
 

@@ -14,7 +14,8 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_flag, check_int
 from fitlib.errors import name_of
-from fitlib.record import Record, batch_size
+from fitlib.record import Record
+from fitlib.running_loss import batch_size
 from fitlib.tracking import (
     check_mlflow_name,
     check_mlflow_names,

@@ -20,7 +20,8 @@ from fitlib.bars import check_refresh, loss_comment, master_bar
 from fitlib.callback import Callback
 from fitlib.checks import len_or_none
 from fitlib.history import cell
-from fitlib.record import HostCopy, Record
+from fitlib.host_copy import HostCopy
+from fitlib.record import Record
 
 
 class ProgressBar(Callback):

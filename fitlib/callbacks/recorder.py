@@ -24,8 +24,10 @@ import torch
 import fitlib.plots as plots
 from fitlib.callback import Callback
 from fitlib.checks import check_int
+from fitlib.host_copy import to_floats
 from fitlib.optim import lr_and_momentum
-from fitlib.record import LOOP_KEYS, LossSmoother, Record, batch_size, to_floats
+from fitlib.record import LOOP_KEYS, Record
+from fitlib.running_loss import LossSmoother, batch_size
 
 # Steps whose losses may wait on the device: one host transfer per this many.
 FLUSH_EVERY = 1024

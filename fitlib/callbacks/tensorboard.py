@@ -20,7 +20,8 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_path
-from fitlib.record import Record, batch_size
+from fitlib.record import Record
+from fitlib.running_loss import batch_size
 from fitlib.tracking import last_lr as _last_lr
 from fitlib.tracking import optimizer_params, read_into
 

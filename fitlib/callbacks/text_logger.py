@@ -19,7 +19,9 @@ import torch
 
 from fitlib.callback import Callback
 from fitlib.errors import ArgTypeError
-from fitlib.record import Record, RunningLoss, batch_size, step_lr, to_floats
+from fitlib.host_copy import to_floats
+from fitlib.record import Record, step_lr
+from fitlib.running_loss import RunningLoss, batch_size
 from fitlib.tracking import TrainClock, check_every_n_steps, check_state_keys
 
 _STATE_KEYS = ("line_step", "interval", "seconds")

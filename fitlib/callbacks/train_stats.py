@@ -18,8 +18,9 @@ from torch import nn
 
 import fitlib.ranks as ranks
 from fitlib.callback import Callback
+from fitlib.host_copy import to_floats
 from fitlib.metrics.accumulate import accumulation_dtype
-from fitlib.record import batch_size, to_floats
+from fitlib.running_loss import batch_size
 from fitlib.sharding import is_sharded, local
 from fitlib.tracking import (
     TrainClock,

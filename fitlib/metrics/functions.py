@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fitlib.checks import check_number, takes_logits, takes_probabilities
+from fitlib.checks import check_number
 from fitlib.errors import ArgTypeError, name_of
+from fitlib.loss_checks import takes_logits, takes_probabilities
 
 
 def match_shape(pred: Tensor, y: Tensor, fname: str) -> Tensor:
