@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint notebooks docs bench gpu-check clean
+.PHONY: demo test lint notebooks docs docs-screenshots bench gpu-check clean
 
 $(VENV)/.base: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,19 +19,19 @@ demo: $(VENV)/.base
 	$(PY) examples/demo_digits.py
 
 test: $(VENV)/.dev
-	$(PY) -m ruff check fitlib tests benchmarks examples notebooks
-	$(PY) -m ruff format --check fitlib tests benchmarks examples notebooks
+	$(PY) -m ruff check fitlib tests benchmarks examples notebooks docs
+	$(PY) -m ruff format --check fitlib tests benchmarks examples notebooks docs
 	$(PY) -m pytest -q -n auto --dist worksteal
 
 lint: $(VENV)/.dev
-	$(PY) -m ruff check --fix fitlib tests benchmarks examples notebooks
-	$(PY) -m ruff format fitlib tests benchmarks examples notebooks
+	$(PY) -m ruff check --fix fitlib tests benchmarks examples notebooks docs
+	$(PY) -m ruff format fitlib tests benchmarks examples notebooks docs
 
 # Runs every notebook and stores it with its outputs (the plots GitHub shows);
-# tests/test_notebooks.py fails when a notebook's code changed since.
+# tests/integration/test_notebooks.py fails when a notebook's code changed since.
 notebooks: $(VENV)/.dev
 	$(PY) -m ruff format notebooks
-	$(PY) -m pytest -q -p no:cacheprovider -n auto tests/test_notebooks.py \
+	$(PY) -m pytest -q -p no:cacheprovider -n auto tests/integration/test_notebooks.py \
 		-k test_notebook_runs --store-outputs
 
 # The documentation site (mkdocs.yml, docs/) into site/; a warning fails it.
@@ -39,13 +39,17 @@ notebooks: $(VENV)/.dev
 docs: $(VENV)/.dev
 	$(PY) -m mkdocs build --strict --site-dir site
 
+# Builds the site and saves screenshots of some pages to look at (docs/screenshots.py).
+docs-screenshots: $(VENV)/.dev
+	$(PY) docs/screenshots.py
+
 bench: $(VENV)/.base
 	$(PY) benchmarks/overhead.py --amp
 
 # On a machine with a CUDA GPU: every CUDA test (marked `cuda`), then
 # benchmarks/gpu.py, which writes benchmarks/results/gpu-<device>.md. It runs
 # with the Python that already has torch there (GPU_PYTHON), not .venv; it
-# needs fastprogress importable (README, "The GPU check").
+# needs fastprogress importable (docs/explanation/speed.md, "GPU").
 GPU_PYTHON ?= python3
 gpu-check:
 	status=0; \

@@ -57,7 +57,7 @@ from fitlib.callbacks import (
 from fitlib.metrics import F1Score, accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-# --dry-run (tests/test_gpu_check.py) runs every part on the CPU, tiny: it
+# --dry-run (tests/integration/test_gpu_check.py) runs every part on the CPU, tiny: it
 # proves the script runs, not what it measures.
 DEV, SIZE = "cuda", 1.0
 

@@ -25,8 +25,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--store-outputs",
         action="store_true",
-        help="tests/test_notebooks.py writes each executed notebook back, with "
-        "its outputs (`make notebooks`)",
+        help="tests/integration/test_notebooks.py writes each executed notebook "
+        "back, with its outputs (`make notebooks`)",
     )
 
 

@@ -214,3 +214,85 @@ def test_the_one_callback_check_catches_a_second_callback():
         "GradientClipping",
         "Another",
     ]
+
+
+# -- the tests mirror the modules --------------------------------------------------
+TESTS = ROOT / "tests"
+# The contract's own test: it reads ARCHITECTURE.md, not one module.
+NOT_FOR_A_MODULE = {"test_architecture.py"}
+# Modules that need no test file of their own.
+UNTESTED = {"__init__.py", "version.py"}
+
+
+def module_stems(modules: list[str]) -> dict[str, set[str]]:
+    """The stems a test file may be named for, by folder under ``tests/``:
+    ``{"callbacks": {"init", "recorder", ...}}`` for
+    ``callbacks/__init__.py``, ``callbacks/recorder.py`` (paths under
+    ``fitlib/``)."""
+    stems: dict[str, set[str]] = {}
+    for module in modules:
+        folder, _, name = module.rpartition("/")
+        stem = "init" if name == "__init__.py" else name.removesuffix(".py")
+        stems.setdefault(folder, set()).add(stem)
+    return stems
+
+
+def module_tested_by(test: str, stems: dict[str, set[str]]) -> str | None:
+    """The module a test file (a path under ``tests/``) is named for:
+    ``test_<module>.py`` or ``test_<module>_<aspect>.py`` in the folder that
+    mirrors the module's (the longest module name that fits), else None."""
+    folder, _, name = test.rpartition("/")
+    stem = name.removeprefix("test_").removesuffix(".py")
+    fits = [s for s in stems.get(folder, ()) if stem == s or stem.startswith(s + "_")]
+    if not fits:
+        return None
+    module = max(fits, key=len)
+    return "/".join(filter(None, [folder, "__init__" if module == "init" else module]))
+
+
+def layout_problems(modules: list[str], tests: list[str]) -> list[str]:
+    """Test files outside ``integration/`` not named for a module at the
+    mirrored path, and modules (but ``UNTESTED``) without a test file."""
+    stems = module_stems(modules)
+    problems, tested = [], set()
+    for test in tests:
+        if test.split("/")[0] == "integration" or test in NOT_FOR_A_MODULE:
+            continue
+        module = module_tested_by(test, stems)
+        if module is None:
+            problems.append(
+                f"tests/{test} is named for no module: name it test_<module>.py "
+                "(or test_<module>_<aspect>.py) in the folder mirroring the "
+                "module's, or move it to tests/integration/ if it crosses modules"
+            )
+        tested.add(module)
+    for module in modules:
+        name = module.rpartition("/")[2]
+        if name not in UNTESTED and module.removesuffix(".py") not in tested:
+            problems.append(f"fitlib/{module} has no test file")
+    return problems
+
+
+def test_every_test_file_is_named_for_a_module_and_every_module_has_one():
+    modules = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")]
+    tests = [p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py")]
+    assert layout_problems(modules, tests) == []
+
+
+def test_the_layout_check_catches_misnamed_tests_and_untested_modules():
+    modules = ["__init__.py", "version.py", "core.py", "callback.py",
+               "callback_handler.py", "callbacks/__init__.py",
+               "callbacks/recorder.py"]  # fmt: skip
+    good = ["test_core.py", "test_callback.py", "test_callback_handler.py",
+            "test_callback_handler_returned_keys.py", "callbacks/test_init.py",
+            "callbacks/test_recorder.py", "integration/test_anything.py",
+            "test_architecture.py"]  # fmt: skip
+    assert layout_problems(modules, good) == []
+    misnamed = ["test_loop.py", "test_recorder.py", "callbacks/test_core.py",
+                "other/test_core.py"]  # fmt: skip
+    problems = layout_problems(modules, good + misnamed)
+    assert [p.split()[0] for p in problems] == [f"tests/{t}" for t in misnamed]
+    # test_callback_handler.py tests the handler, not callback.py: the longest
+    # module name that fits is the one it is named for.
+    problems = layout_problems(modules, [*good[:1], *good[2:]])
+    assert problems == ["fitlib/callback.py has no test file"]

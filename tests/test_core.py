@@ -1,8 +1,11 @@
-from types import SimpleNamespace
+"""``fitlib.core``: the loop (``fit``, ``fit_states``, ``loss_batch``,
+``validate``) matches a hand-written one, takes batches of every form, checks
+its arguments, the model's output and the loss before training, counts steps,
+and puts back the modes it found."""
 
 import pytest
 import torch
-from helpers import make_data, make_dataset, make_model
+from helpers import make_data, make_dataset, make_model, train
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
@@ -10,9 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
 from fitlib.callbacks import ProgressBar, Recorder
 from fitlib.core import fit_states, loss_batch
-from fitlib.data import to_device
 from fitlib.metrics import accuracy
-from fitlib.record import batch_size
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
@@ -117,19 +118,6 @@ def test_dict_inputs_call_model_with_keyword_arguments():
     torch.testing.assert_close(loss, F.mse_loss(model(**x), y))
 
 
-def test_to_device_keeps_the_structure_of_the_batch():
-    batch = ((torch.ones(2), [torch.zeros(1)]), {"k": torch.ones(3)}, "label")
-    moved = to_device(batch, torch.device("cpu"))
-    assert isinstance(moved, tuple) and isinstance(moved[0][1], list)
-    assert torch.equal(moved[1]["k"], batch[1]["k"]) and moved[2] == "label"
-
-
-def test_batch_size_reads_targets_then_inputs():
-    assert batch_size(torch.zeros(7)) == 7
-    assert batch_size((torch.zeros(5, 2), torch.zeros(5))) == 5
-    assert batch_size(torch.tensor(1.0), {"x": torch.zeros(3, 1)}) == 3
-
-
 def test_validate_averages_over_samples_with_a_ragged_last_batch():
     torch.manual_seed(0)
     model = make_model().eval()
@@ -158,10 +146,6 @@ def test_fit_with_no_valid_dl_trains_and_reports_no_metrics():
 
 
 # -- bad input -------------------------------------------------------------------
-def _fit(epochs=1, data=None, loss_func=F.cross_entropy, model=None, **kw):
-    model = model or make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    fit(epochs, model, loss_func, opt, data or make_data(), **kw)
 
 
 @pytest.mark.parametrize("epochs", [0, -2, 2.5, True, "3"])
@@ -169,42 +153,13 @@ def test_epochs_must_be_a_positive_int(epochs):
     with pytest.raises(
         ValueError, match=rf"epochs must be an int >= 1 or None; got {epochs!r}"
     ):
-        _fit(epochs)
-
-
-def test_data_without_train_dl_says_how_to_wrap_loaders():
-    with pytest.raises(
-        TypeError, match=r"train_dl attribute; got DataLoader.*DataBunch"
-    ):
-        _fit(data=make_data().train_dl)
-
-
-def test_empty_training_loader_is_caught_before_training():
-    empty = DataLoader(TensorDataset(torch.zeros(0, 8), torch.zeros(0)))
-    with pytest.raises(ValueError, match=r"^train_dl is empty \(len 0\)"):
-        DataBunch(empty)
-    with pytest.raises(ValueError, match=r"data.train_dl is empty \(len 0\)"):
-        _fit(data=SimpleNamespace(train_dl=empty, valid_dl=None))
-
-
-def test_loader_without_len_that_yields_nothing():
-    with pytest.raises(ValueError, match="train_dl yielded no batches"):
-        _fit(data=DataBunch(iter([])))
-
-
-def test_batch_that_is_not_an_x_y_pair():
-    triples = [(torch.zeros(2, 8), torch.zeros(2).long(), torch.zeros(2))]
-    three = r"\(Tensor.*, Tensor.*, Tensor.*\)"
-    with pytest.raises(
-        TypeError, match=rf"train_dl yielded a batch of {three}; .*pair"
-    ):
-        _fit(data=DataBunch(triples))
+        train(epochs=epochs)
 
 
 def test_model_output_the_loss_cannot_take_names_the_shapes():
     bce = F.binary_cross_entropy_with_logits  # wants the target's shape: (16,)
     with pytest.raises(ValueError) as info:
-        _fit(loss_func=bce)
+        train(loss_func=bce, epochs=1)
     text = str(info.value)
     assert "loss_func binary_cross_entropy_with_logits got an output of shape " in text
     assert "(16, 3) and targets of shape (16,), which do not match" in text
@@ -222,7 +177,7 @@ def test_model_returning_a_tuple_to_a_loss_that_wants_a_tensor():
     with pytest.raises(
         TypeError, match=r"output \(Tensor\(shape=\(16, 3\), float32\), Tensor"
     ):
-        _fit(model=Pair())
+        train(model=Pair(), epochs=1)
 
 
 def test_non_scalar_loss_says_how_to_reduce_it():
@@ -232,7 +187,7 @@ def test_non_scalar_loss_says_how_to_reduce_it():
     with pytest.raises(
         ValueError, match=r"returned Tensor\(shape=\(16,\).*reduction='mean'"
     ):
-        _fit(loss_func=per_sample)
+        train(loss_func=per_sample, epochs=1)
 
 
 def test_failing_metric_is_named():
@@ -240,7 +195,7 @@ def test_failing_metric_is_named():
         raise RuntimeError("nope")
 
     with pytest.raises(RuntimeError, match="broken_metric"):
-        _fit(metrics=[broken_metric])
+        train(metrics=[broken_metric], epochs=1)
 
 
 def test_model_forward_error_gets_the_input_shapes_as_a_note():
@@ -249,13 +204,13 @@ def test_model_forward_error_gets_the_input_shapes_as_a_note():
             raise RuntimeError("custom failure")
 
     with pytest.raises(RuntimeError, match="custom failure") as info:
-        _fit(model=nn.Sequential(nn.Linear(8, 3), Broken()))
+        train(model=nn.Sequential(nn.Linear(8, 3), Broken()), epochs=1)
     assert any("Tensor(shape=(16, 8)" in n for n in info.value.__notes__)
 
 
 def test_a_wrong_input_size_names_the_layer_and_what_it_expects():
     with pytest.raises(ValueError) as info:
-        _fit(model=nn.Linear(5, 3))
+        train(model=nn.Linear(5, 3), epochs=1)
     text = str(info.value)
     assert "the model (Linear(in_features=5, out_features=3, bias=True)) got " in text
     assert "input Tensor(shape=(16, 8), float32): it expects 5 features" in text
@@ -264,7 +219,7 @@ def test_a_wrong_input_size_names_the_layer_and_what_it_expects():
     with pytest.raises(
         ValueError, match=r"layer '2' of the model \(Linear\(in_f"
     ) as info:
-        _fit(model=deep)
+        train(model=deep, epochs=1)
     assert "input Tensor(shape=(16, 4), float32): it expects 5 features" in str(
         info.value
     )
@@ -272,26 +227,26 @@ def test_a_wrong_input_size_names_the_layer_and_what_it_expects():
     images = [(torch.zeros(4, 3, 8, 8), torch.zeros(4).long())]
     conv = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Flatten(), nn.LazyLinear(3))
     with pytest.raises(ValueError, match=r"it expects 1 channels in dimension -3"):
-        _fit(model=conv, data=DataBunch(images))
+        train(model=conv, data=DataBunch(images), epochs=1)
 
 
 def test_an_input_of_another_dtype_than_the_layer_is_a_type_error():
     ints = [(torch.randint(0, 5, (16, 8)), torch.randint(0, 3, (16,)))]
     with pytest.raises(TypeError, match=r"layer '0' of the model .* has float32 "):
-        _fit(data=DataBunch(ints))
+        train(data=DataBunch(ints), epochs=1)
 
 
 def test_a_loss_class_instead_of_an_instance_says_to_instantiate_it():
     with pytest.raises(
         TypeError, match=r"class CrossEntropyLoss.*CrossEntropyLoss\(\)"
     ):
-        _fit(loss_func=torch.nn.CrossEntropyLoss)
-    _fit(loss_func=torch.nn.CrossEntropyLoss())  # an instance is a loss
+        train(loss_func=torch.nn.CrossEntropyLoss, epochs=1)
+    train(loss_func=torch.nn.CrossEntropyLoss(), epochs=1)  # an instance is a loss
 
 
 def test_non_callable_loss_and_non_module_model_and_bad_opt():
     with pytest.raises(TypeError, match="loss_func must be callable"):
-        _fit(loss_func="cross_entropy")
+        train(loss_func="cross_entropy", epochs=1)
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         fit(1, object(), F.cross_entropy, None, make_data())
     with pytest.raises(TypeError, match=r"opt must be a torch\.optim\.Optimizer or"):
@@ -319,7 +274,7 @@ def test_a_plain_torch_optimizer_is_wrapped_so_callbacks_can_set_its_lr():
 def test_a_model_with_nothing_to_train_is_refused_before_training():
     model = make_model().requires_grad_(False)
     with pytest.raises(ValueError, match=r"no trainable parameter.*unfreeze"):
-        _fit(model=model)
+        train(model=model, epochs=1)
 
 
 # -- step budgets and the iterator ----------------------------------------------
@@ -338,7 +293,7 @@ def test_step_counts_optimizer_steps_and_max_steps_stops_across_epochs():
     from fitlib.callbacks import GradientAccumulation
 
     steps, rec = Steps(), Recorder()
-    _fit(None, callbacks=[steps, rec, GradientAccumulation(2)], max_steps=5)
+    train(epochs=None, callbacks=[steps, rec, GradientAccumulation(2)], max_steps=5)
     # 7 batches an epoch; groups of 2 and a ragged one: 4 steps an epoch.
     assert [s for _, s in steps.seen] == [0, 1, 1, 2, 2, 3, 4, 4, 5]
     assert rec.epochs == [0, 1]  # the epoch in progress still validated
@@ -346,10 +301,10 @@ def test_step_counts_optimizer_steps_and_max_steps_stops_across_epochs():
 
 def test_max_steps_and_epochs_whichever_comes_first():
     steps = Steps()
-    _fit(2, callbacks=[steps], max_steps=100)
+    train(epochs=2, callbacks=[steps], max_steps=100)
     assert len(steps.seen) == 14
     steps = Steps()
-    _fit(5, callbacks=[steps], max_steps=3)
+    train(epochs=5, callbacks=[steps], max_steps=3)
     assert steps.seen[-1] == (2, 3)
 
 
@@ -358,12 +313,12 @@ def test_max_steps_must_be_a_positive_int(max_steps):
     with pytest.raises(
         ValueError, match=rf"max_steps must be an int >= 1 or None; got {max_steps!r}"
     ):
-        _fit(1, max_steps=max_steps)
+        train(epochs=1, max_steps=max_steps)
 
 
 def test_fit_needs_epochs_or_max_steps():
     with pytest.raises(ValueError, match="epochs=None and max_steps=None"):
-        _fit(None)
+        train(epochs=None)
 
 
 def test_n_steps_is_capped_by_max_steps():
@@ -373,9 +328,9 @@ def test_n_steps_is_capped_by_max_steps():
         def on_train_begin(self, n_steps, max_steps):
             seen.update(n_steps=n_steps, max_steps=max_steps)
 
-    _fit(3, callbacks=[NSteps()], max_steps=10)
+    train(epochs=3, callbacks=[NSteps()], max_steps=10)
     assert seen == {"n_steps": 10, "max_steps": 10}
-    _fit(3, callbacks=[NSteps()])
+    train(epochs=3, callbacks=[NSteps()])
     assert seen == {"n_steps": 21, "max_steps": None}
 
 
@@ -455,7 +410,7 @@ def test_a_callback_that_validates_mid_epoch_leaves_training_in_train_mode():
                 if num_batch == 2:  # e.g. a callback that evaluates now and then
                     validate(model, data.valid_dl, F.cross_entropy)
 
-    _fit(callbacks=[Probe()])
+    train(callbacks=[Probe()], epochs=1)
     assert seen and all(seen), seen
 
 
@@ -556,21 +511,21 @@ def test_cross_entropy_with_float_targets_says_to_make_them_long():
     data = make_data()
     floats = [(x, y.float()) for x, y in data.train_dl]
     with pytest.raises(ValueError, match=r"float targets .*class indices.*y\.long\(\)"):
-        _fit(data=DataBunch(floats))
+        train(data=DataBunch(floats), epochs=1)
 
 
 def test_a_class_index_out_of_range_names_it_and_the_number_of_classes():
     x, y = torch.randn(16, 8), torch.arange(16) % 5  # 5 labels, 3 outputs
     with pytest.raises(ValueError, match=r"class index [34] for an output with 3 "):
-        _fit(data=DataBunch([(x, y)]))
+        train(data=DataBunch([(x, y)]), epochs=1)
     y[0] = -100  # ignore_index: allowed
-    _fit(data=DataBunch([(x, y % 3 - 100 * (y == 0))]))
+    train(data=DataBunch([(x, y % 3 - 100 * (y == 0))]), epochs=1)
 
 
 def test_float64_inputs_to_a_float32_model_say_which_to_convert():
     x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
     with pytest.raises(TypeError, match=r"has float32 parameters, got input .*float64"):
-        _fit(data=DataBunch([(x, y)]))
+        train(data=DataBunch([(x, y)]), epochs=1)
 
     class Matmul(nn.Module):  # not a torch layer: judged on the whole model
         def __init__(self):
@@ -581,79 +536,7 @@ def test_float64_inputs_to_a_float32_model_say_which_to_convert():
             return x @ self.w
 
     with pytest.raises(TypeError, match=r"parameters are float32 but the input is "):
-        _fit(model=Matmul(), data=DataBunch([(x, y)]))
-
-
-# -- loaders ---------------------------------------------------------------------
-def test_a_dataset_where_a_loader_is_expected_is_refused():
-    with pytest.raises(TypeError, match=r"train_dl is a Dataset \(TensorDataset\)"):
-        DataBunch(make_dataset())
-    with pytest.raises(TypeError, match=r"train_dl is None"):
-        DataBunch(None)
-    for_inference = DataBunch(None, make_data().valid_dl)  # evaluation only
-    validate(make_model(), for_inference.valid_dl, F.cross_entropy)
-    with pytest.raises(TypeError, match=r"data.train_dl is None"):
-        _fit(data=for_inference)
-    with pytest.raises(ValueError, match=r"dl is empty"):
-        validate(make_model(), [], F.cross_entropy)
-
-
-def test_devices_that_are_not_or_not_here_are_refused(monkeypatch):
-    with pytest.raises(ValueError, match=r"device 'tpu' is not a torch device"):
-        DataBunch(make_data().train_dl, device="tpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match=r"'cuda' is not available.*device='cpu'"):
-        DataBunch(make_data().train_dl, device="cuda")
-
-
-def test_a_one_shot_iterator_is_refused_for_several_epochs_and_explained():
-    batches = list(make_data().train_dl)
-    with pytest.raises(ValueError, match=r"iterator \(generator\).*only once"):
-        _fit(epochs=2, data=DataBunch(b for b in batches))
-    _fit(epochs=1, data=DataBunch(b for b in batches))  # one pass is fine
-    with pytest.raises(ValueError, match=r"(?s)can be iterated only once.*__iter__"):
-        _fit(epochs=None, max_steps=100, data=DataBunch(b for b in batches))
-    with pytest.raises(ValueError) as info:
-        _fit(epochs=2, data=DataBunch(b for b in batches))
-    namespace = {
-        "DataBunch": DataBunch,
-        "make_batches": lambda: (b for b in batches),
-        "n_batches": len(batches),
-        "valid_dl": None,
-    }
-    exec(advised_code(info.value), namespace)  # the advice, as written
-    rec = Recorder()
-    _fit(epochs=2, data=namespace["data"], callbacks=[rec])
-    assert len(rec.losses) == 2 * len(batches)
-
-
-def advised_code(error):
-    """The code block of an error's fix (its lines indented by 4), in its
-    message or its notes."""
-    lines = "\n".join([str(error), *getattr(error, "__notes__", [])]).split("\n")
-    return "\n".join(line[4:] for line in lines if line.startswith("    "))
-
-
-@pytest.mark.parametrize("kind", ["dict", "triple"])
-def test_the_fix_for_a_batch_that_is_no_pair_is_code_that_works(kind):
-    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-    batch = {"image": x, "label": y} if kind == "dict" else (x, y, y.float())
-    train_dl = valid_dl = [batch] * 2
-    # A dict is taken as the model's inputs (model(**batch)): the model's
-    # error then gives the fix.
-    refused = r"model\(\*\*batch\).*batch_fn" if kind == "dict" else r"an \(x, y\) pair"
-    with pytest.raises(TypeError, match=refused) as info:
-        _fit(data=DataBunch(train_dl))
-    code = advised_code(info.value)
-    namespace = {"DataBunch": DataBunch, "train_dl": train_dl, "valid_dl": valid_dl}
-    exec(code, namespace)  # the advice, as written
-
-    def loss(out, y, *more):
-        return F.cross_entropy(out, y)
-
-    rec = Recorder()
-    _fit(epochs=2, data=namespace["data"], loss_func=loss, callbacks=[rec])
-    assert len(rec.losses) == 4  # two epochs: the wrapper lasts
+        train(model=Matmul(), data=DataBunch([(x, y)]), epochs=1)
 
 
 def test_a_loss_returning_a_tuple_is_told_to_return_one_total():
@@ -661,7 +544,7 @@ def test_a_loss_returning_a_tuple_is_told_to_return_one_total():
         return F.cross_entropy(out, y), out.pow(2).mean()
 
     with pytest.raises(ValueError, match=r"returned \(Tensor.*sum of the parts"):
-        _fit(loss_func=two_parts)
+        train(loss_func=two_parts, epochs=1)
 
 
 def test_an_own_loss_that_broadcasts_inside_is_caught_where_it_does():
@@ -705,7 +588,7 @@ def test_soft_training_targets_do_not_trouble_class_metrics():
                 return {"last_target": soft}
 
     rec = Recorder()
-    _fit(callbacks=[MixUp(), rec], metrics=[accuracy])
+    train(callbacks=[MixUp(), rec], metrics=[accuracy], epochs=1)
     assert 0 <= rec.metrics[0][0] <= 1
 
 
@@ -719,44 +602,6 @@ def test_loss_batch_in_a_loop_of_ones_own_checks_nothing_and_never_syncs(
     for x, y in batches:
         loss_batch(model, x, y, F.cross_entropy, opt)
     assert sync_counter["n"] == 0
-
-
-def test_a_sized_iterator_that_restarts_in_iter_is_a_fine_loader():
-    class Prefetcher:  # its own iterator, restarted by __iter__ each epoch
-        def __init__(self, dl):
-            self.dl, self.it = dl, None
-
-        def __iter__(self):
-            self.it = iter(self.dl)
-            return self
-
-        def __next__(self):
-            return next(self.it)
-
-        def __len__(self):
-            return len(self.dl)
-
-    rec = Recorder()
-    _fit(epochs=2, data=DataBunch(Prefetcher(make_data().train_dl)), callbacks=[rec])
-    assert len(rec.losses) == 14
-
-
-def test_a_spent_sized_iterator_stops_an_endless_fit_with_an_error():
-    class Once:  # says it has 7 batches, but yields them only once
-        def __init__(self, batches):
-            self.it = iter(batches)
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.it)
-
-        def __len__(self):
-            return 7
-
-    with pytest.raises(ValueError, match=r"train_dl yielded no batches.*only once"):
-        _fit(epochs=None, max_steps=100, data=DataBunch(Once(make_data().train_dl)))
 
 
 def test_fit_returns_a_history_that_is_the_list_of_its_records():
@@ -782,21 +627,3 @@ def test_metrics_that_are_not_a_list_are_refused_naming_the_argument():
             rf"\(function\)\. Fix: .*{name}=\[accuracy\]"
         )):  # fmt: skip
             fit(1, model, F.cross_entropy, opt, make_data(), **{name: accuracy})
-
-
-def test_a_batch_fn_returning_numpy_arrays_is_refused_at_the_first_batch():
-    x, y = make_dataset(32).tensors
-    batches = [{"x": x[i : i + 16].numpy(), "y": y[i : i + 16].numpy()}
-               for i in (0, 16)]  # fmt: skip
-    data = DataBunch(batches, batches, device="cpu",
-                     batch_fn=lambda b: (b["x"], b["y"]))  # fmt: skip
-    recorder = Recorder()
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(TypeError, match=(
-        r"batch_fn <lambda> returned \(ndarray, ndarray\) for a batch of "
-        r"train_dl: numpy arrays \(the first: shape \(16, 8\), float32\), where "
-        r"fitlib needs tensors .*Fix: .*torch\.as_tensor"
-    )):  # fmt: skip
-        fit(1, model, F.cross_entropy, opt, data, [recorder])
-    assert recorder.losses == []  # refused before any step

@@ -177,12 +177,6 @@ def test_discriminative_learning_rates_from_a_slice(tmp_path):
         learn.fit(1, lr=[1e-3, 1e-2])
 
 
-def test_layer_groups_must_cover_the_model(tmp_path):
-    model = body_head_model()
-    with pytest.raises(ValueError, match="layer_groups leave 2 model parameter"):
-        learner(tmp_path, model=model, layer_groups=[model[0]])
-
-
 def test_default_metric_for_cross_entropy_is_accuracy_and_said_once(capsys, tmp_path):
     import fitlib.learner
 

@@ -35,7 +35,7 @@ PLOT_TWO = "learn.recorder.plot_losses(); learn.recorder.plot_lr()"
 @pytest.fixture
 def kernel_of_this_python(tmp_path_factory, monkeypatch):
     """A ``python3`` kernelspec that runs ``sys.executable``, with the
-    notebook's own plotting backend (as ``tests/test_notebooks.py``)."""
+    notebook's own plotting backend (as ``tests/integration/test_notebooks.py``)."""
     prefix = tmp_path_factory.mktemp("jupyter")
     spec_dir = Path(install(kernel_name="python3", prefix=str(prefix)))
     monkeypatch.setenv("JUPYTER_PATH", str(spec_dir.parents[1]))

@@ -1,6 +1,6 @@
 """FSDP2 in this process, in a one-process gloo group: sharding, the optimizer
 moved along, whole state dicts for saving and loading.
-tests/callbacks/test_distributed_trainer_torchrun.py runs 2 processes."""
+tests/integration/test_distributed_trainer_torchrun.py runs 2 processes."""
 
 import pytest
 import torch

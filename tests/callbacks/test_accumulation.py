@@ -2,6 +2,7 @@ import contextlib
 import math
 from types import SimpleNamespace
 
+import helpers
 import pytest
 import torch
 from helpers import make_dataset, make_model
@@ -9,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
+from fitlib import Callback, DataBunch, Learner
 from fitlib.callback import call_hook
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.mixed_precision import MixedPrecision
@@ -17,9 +18,9 @@ from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import accuracy
 
-OPTIMIZERS = {
-    "sgd_momentum": lambda m: HPOptimizer(m.parameters(), torch.optim.SGD, 0.1, 0.9),
-    "adamw": lambda m: HPOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2),
+OPTIMIZERS = {  # helpers.train's optimizer arguments
+    "sgd_momentum": {"opt_func": torch.optim.SGD, "lr": 0.1, "mom": 0.9},
+    "adamw": {"opt_func": torch.optim.AdamW, "lr": 1e-2},
 }
 
 
@@ -61,11 +62,13 @@ class Steps(Callback):
 
 
 def train(train_dl, n_batches=None, epochs=2, opt="sgd_momentum", callbacks=()):
-    model = mlp()
+    """The weights after training ``mlp()`` on ``train_dl`` alone (no
+    validation), accumulating ``n_batches`` batches per step if given."""
     accumulate = [] if n_batches is None else [GradientAccumulation(n_batches)]
     data = DataBunch(train_dl, None, device="cpu")
-    fit(epochs, model, F.cross_entropy, OPTIMIZERS[opt](model), data,
-        [*accumulate, *callbacks])  # fmt: skip
+    model = helpers.train(
+        [*accumulate, *callbacks], epochs, data=data, model=mlp(), **OPTIMIZERS[opt]
+    )
     return [p.detach() for p in model.parameters()]
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_data, make_model
+from helpers import train
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
@@ -102,13 +102,6 @@ class StepEveryOther(Callback):
 
     def on_step_end(self, iteration):
         return {"skip_zero": iteration % 2 == 0}
-
-
-def train(callbacks, epochs=1, lr=0.1):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=lr)
-    fit(epochs, model, F.cross_entropy, opt, make_data(), callbacks)
-    return model
 
 
 def test_gradients_seen_by_a_later_callback_have_at_most_max_norm():

@@ -3,11 +3,9 @@ import os
 
 import pytest
 import torch
-from helpers import make_dataset, make_model, scripted_record
-from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
+from helpers import make_data, scripted_record, train
 
-from fitlib import Callback, DataBunch, HPOptimizer, fit
+from fitlib import Callback
 from fitlib.callback import call_hook
 from fitlib.callbacks.csv_logger import CSVLogger
 from fitlib.callbacks.one_cycle import OneCycleScheduler
@@ -64,17 +62,6 @@ def drive_epoch(
     lr = step_lr(opt or FakeOpt(0.1))
     record = scripted_record(losses, sizes, last, names, epoch, lr)
     call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=last, record=record)
-
-
-def run_fit(callbacks, epochs=2, n_train=100, metrics=(accuracy,)):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
-    data = DataBunch(
-        DataLoader(make_dataset(n_train), 16, shuffle=True),
-        DataLoader(make_dataset(37, seed=1), 16),
-        device="cpu",
-    )
-    fit(epochs, model, F.cross_entropy, opt, data, callbacks, list(metrics))
 
 
 class FakeResume(Callback):
@@ -225,7 +212,12 @@ def test_state_dict_holds_plain_values_and_round_trips(tmp_path):
 def test_rows_through_fit_match_the_recorders_epochs(tmp_path):
     path = tmp_path / "log.csv"
     rec = Recorder()
-    run_fit([rec, CSVLogger(path), OneCycleScheduler(0.1)], epochs=3)
+    train(
+        [rec, CSVLogger(path), OneCycleScheduler(0.1)],
+        epochs=3,
+        metrics=[accuracy],
+        mom=0.9,
+    )
     rows = read(path)
     assert rows[0] == HEADER
     for row, expected in zip(rows[1:], rec.epoch_table(), strict=True):
@@ -241,10 +233,15 @@ def test_rows_through_fit_match_the_recorders_epochs(tmp_path):
 
 def test_a_resumed_fit_appends_without_duplicate_rows(tmp_path):
     path = tmp_path / "log.csv"
-    run_fit([CSVLogger(path)], epochs=4)
+    train([CSVLogger(path)], epochs=4, metrics=[accuracy], mom=0.9)
     before = read(path)
     # The same script run again, restored at the start of epoch 2.
-    run_fit([FakeResume(epoch=2, iteration=14), CSVLogger(path)], epochs=4)
+    train(
+        [FakeResume(epoch=2, iteration=14), CSVLogger(path)],
+        epochs=4,
+        metrics=[accuracy],
+        mom=0.9,
+    )
     after = read(path)
     assert epochs_of(path) == [0, 1, 2, 3]
     assert after[:3] == before[:3]  # the rows before the resume are untouched
@@ -253,7 +250,12 @@ def test_a_resumed_fit_appends_without_duplicate_rows(tmp_path):
 def test_the_logger_adds_no_sync_per_batch(tmp_path, sync_counter, frozen_clock):
     def count(n_train):
         before = sync_counter["n"]
-        run_fit([CSVLogger(tmp_path / f"{n_train}.csv")], n_train=n_train)
+        train(
+            [CSVLogger(tmp_path / f"{n_train}.csv")],
+            data=make_data(n_train=n_train),
+            metrics=[accuracy],
+            mom=0.9,
+        )
         return sync_counter["n"] - before
 
     assert count(64) == count(256)

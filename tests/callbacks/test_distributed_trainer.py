@@ -1,5 +1,5 @@
 """DistributedTrainer in this process: off without torchrun; bad input, in a
-one-process gloo group. tests/callbacks/test_distributed_trainer_torchrun.py
+one-process gloo group. tests/integration/test_distributed_trainer_torchrun.py
 launches real 2-process runs."""
 
 import pytest

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_data, make_dataset, make_model, scripted_record
+from helpers import make_data, make_dataset, make_model, scripted_record, train
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
@@ -325,16 +325,9 @@ class FailAt(Callback):
             raise self.error
 
 
-def train(callbacks, epochs=8, lr=0.5, metrics=()):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=lr, mom=0.9)
-    fit(epochs, model, F.cross_entropy, opt, make_data(), callbacks, list(metrics))
-    return model
-
-
 def test_through_fit_it_stops_and_restores_the_best_epochs_weights(capsys):
     stop, snaps = EarlyStopping(patience=2, restore_best=True), Snapshots()
-    model = train([stop, snaps], epochs=30, lr=2.0)  # a large lr: it stalls
+    model = train([stop, snaps], epochs=30, lr=2.0, mom=0.9)  # a large lr: it stalls
     assert stop.stopped_epoch is not None and stop.stopped_epoch < 29
     assert len(snaps.losses) == stop.stopped_epoch + 1  # no epoch after the stop
     best = min(range(len(snaps.losses)), key=snaps.losses.__getitem__)
@@ -362,7 +355,7 @@ def test_the_best_weights_are_restored_after_an_error_or_ctrl_c(error):
 
 def test_nothing_is_restored_when_no_epoch_was_evaluated():
     stop = EarlyStopping(restore_best=True)
-    model = train([stop], epochs=2)  # a first fit: best weights kept
+    model = train([stop], epochs=2, lr=0.5, mom=0.9)  # a first fit: best weights kept
     assert stop.best_weights is not None
     trained = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -382,7 +375,7 @@ def test_nothing_is_restored_when_no_epoch_was_evaluated():
 
 def test_a_fit_that_fails_before_its_train_begin_restores_nothing():
     stop = EarlyStopping(restore_best=True)
-    model = train([stop], epochs=1)
+    model = train([stop], epochs=1, lr=0.5, mom=0.9)
     with torch.no_grad():
         model[0].weight.zero_()
 
@@ -411,10 +404,10 @@ def test_its_state_resets_at_each_fit():
 
 def test_through_fit_monitoring_accuracy_and_train_loss_works():
     acc = EarlyStopping("accuracy", patience=100)
-    train([acc], epochs=3, metrics=[accuracy])
+    train([acc], epochs=3, metrics=[accuracy], lr=0.5, mom=0.9)
     assert 0 <= acc.monitor.best <= 1 and acc.monitor.mode == "max"
     tl = EarlyStopping("train_loss", patience=100)
-    train([tl], epochs=3)
+    train([tl], epochs=3, lr=0.5, mom=0.9)
     assert tl.best_epoch is not None and math.isfinite(tl.monitor.best)
 
 

@@ -2,10 +2,9 @@ import io
 
 import pytest
 import torch
-from helpers import make_data, make_model
-from torch.nn import functional as F  # noqa: N812
+from helpers import train
 
-from fitlib import Callback, CallbackHandler, HPOptimizer, fit
+from fitlib import Callback, CallbackHandler
 from fitlib.callback import EVENTS, call_hook, overrides
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.filters import Filter, every, first, once
@@ -56,12 +55,6 @@ class Counter(Callback):
 def batch_end(cb, step, train=True, skip_step=False, epoch=0):
     call_hook(cb, "on_batch_end", train=train, step=step, skip_step=skip_step,
               epoch=epoch)  # fmt: skip
-
-
-def train(callbacks, epochs=2, lr=0.1):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=lr)
-    fit(epochs, model, F.cross_entropy, opt, make_data(), callbacks)
 
 
 # -- scripted --------------------------------------------------------------------

@@ -6,26 +6,16 @@ from typing import ClassVar
 import pytest
 import torch
 from fastprogress import fastprogress
-from helpers import make_data, make_model
-from torch.nn import functional as F  # noqa: N812
+from helpers import make_data, train
 
-from fitlib import Callback, DataBunch, HPOptimizer, fit
+from fitlib import Callback, DataBunch
 from fitlib.callback import call_hook
 from fitlib.callbacks import progress
-from fitlib.callbacks.lr_finder import LRFinder
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
-from fitlib.callbacks.sweep_bar import SweepBar
 from fitlib.metrics import Metrics, accuracy
 
 CONSOLE_BAR = fastprogress.ConsoleProgressBar
-
-
-def train(callbacks, epochs=2, data=None, metrics=(accuracy,)):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    data = data or make_data()
-    fit(epochs, model, F.cross_entropy, opt, data, callbacks, list(metrics))
 
 
 @pytest.fixture
@@ -59,7 +49,7 @@ def closed(calls, bar):
 # -- the table -------------------------------------------------------------------
 def test_table_has_a_header_and_one_row_per_epoch_equal_to_the_recorder():
     rec, bar = Recorder(), ProgressBar(bars=True)
-    train([rec, bar], epochs=3)
+    train([rec, bar], epochs=3, metrics=[accuracy])
     header, *rows = bar.rows
     assert header == ["epoch", "train_loss", "valid_loss", "accuracy", "time"]
     assert [r[0] for r in rows] == ["0", "1", "2"]
@@ -73,15 +63,15 @@ def test_table_has_a_header_and_one_row_per_epoch_equal_to_the_recorder():
 def test_without_a_valid_set_the_valid_columns_show_na():
     bar = ProgressBar(bars=True)
     data = make_data()
-    train([bar], epochs=1, data=DataBunch(data.train_dl, None))
+    train([bar], epochs=1, data=DataBunch(data.train_dl, None), metrics=[accuracy])
     assert bar.rows[1][2:4] == ["#na#", "#na#"]
     assert bar.rows[1][1] != "#na#"
 
 
 def test_each_fit_writes_its_own_table():
     bar = ProgressBar(bars=True)
-    train([bar], epochs=2)
-    train([bar], epochs=1, metrics=[])
+    train([bar], epochs=2, metrics=[accuracy])
+    train([bar], epochs=1)
     assert bar.rows[0] == ["epoch", "train_loss", "valid_loss", "time"]
     assert len(bar.rows) == 2
 
@@ -195,7 +185,9 @@ def test_a_resumed_run_starts_the_master_bar_at_its_epoch():
 
 def test_train_and_valid_loaders_get_their_own_bar_that_ends_full(bar_calls):
     bar = ProgressBar(bars=True)
-    train([bar], epochs=1)  # 7 training batches, 3 validation batches
+    train(
+        [bar], epochs=1, metrics=[accuracy]
+    )  # 7 training batches, 3 validation batches
     children = {c[1] for c in bar_calls if c[1] is not bar.mb.main_bar}
     assert sorted(b.total for b in children) == [3, 7]
     for child in children:
@@ -217,7 +209,7 @@ class Boom(Callback):
 def test_bars_close_after_another_callback_raises(error, bar_calls):
     bar = ProgressBar(bars=True)
     with pytest.raises(error, match="boom") as info:
-        train([Boom(error), bar], epochs=3)
+        train([Boom(error), bar], epochs=3, metrics=[accuracy])
     assert "ProgressBar" not in "".join(getattr(info.value, "__notes__", []))
     interrupted = [c[1] for c in bar_calls if c[0] == "on_interrupt"]
     assert bar.mb.main_bar in interrupted  # the master bar is finished
@@ -234,7 +226,7 @@ class StopAfter(Callback):
 
 def test_stopping_early_closes_the_short_bar_and_the_master_bar(bar_calls):
     bar = ProgressBar(bars=True)
-    train([StopAfter(), bar], epochs=3)
+    train([StopAfter(), bar], epochs=3, metrics=[accuracy])
     train_bar = next(c[1] for c in bar_calls if getattr(c[1], "total", 0) == 7)
     assert closed(bar_calls, train_bar)
     assert closed(bar_calls, bar.mb.main_bar)
@@ -254,7 +246,12 @@ class Unsized:
 def test_a_loader_without_length_gets_its_total_at_the_end(bar_calls):
     bar = ProgressBar(bars=True)
     data = make_data()
-    train([bar], epochs=1, data=DataBunch(Unsized(data.train_dl), data.valid_dl))
+    train(
+        [bar],
+        epochs=1,
+        data=DataBunch(Unsized(data.train_dl), data.valid_dl),
+        metrics=[accuracy],
+    )
     child = next(c[1] for c in bar_calls if c[0] == "update" and c[2] == 7)
     assert child.total == 7 and closed(bar_calls, child)
 
@@ -279,7 +276,7 @@ def count_syncs(data):
                 return _original(self, *args, **kwargs)
 
             mp.setattr(torch.Tensor, name, counted)
-        train([Recorder(), ProgressBar()], epochs=2, data=data)
+        train([Recorder(), ProgressBar()], epochs=2, data=data, metrics=[accuracy])
     return counts
 
 
@@ -294,7 +291,8 @@ def test_recorder_and_progress_bar_do_not_sync_per_batch(clock):
 
 def test_without_a_terminal_only_the_aligned_table_is_printed(capsys):
     bar = ProgressBar()  # bars=None decides; pytest's stdout is no terminal
-    train([Recorder(), bar], epochs=2, data=make_data(n_train=40, n_valid=20, bs=8))
+    data = make_data(n_train=40, n_valid=20, bs=8)
+    train([Recorder(), bar], epochs=2, data=data, metrics=[accuracy])
     out = capsys.readouterr().out
     assert "█" not in out and "Epoch" not in out and "\r" not in out
     lines = out.splitlines()
@@ -305,94 +303,7 @@ def test_without_a_terminal_only_the_aligned_table_is_printed(capsys):
 
 def test_without_a_terminal_stopping_mid_epoch_closes_the_bars(capsys):
     bar = ProgressBar(bars=False)  # the table-only bars, as in a log or CI
-    train([StopAfter(), bar], epochs=3)  # stops in the first epoch's 3rd batch
+    train(
+        [StopAfter(), bar], epochs=3, metrics=[accuracy]
+    )  # stops in the first epoch's 3rd batch
     assert len(bar.rows) == 2 and "valid_loss" in capsys.readouterr().out
-
-
-# -- the LR finder's sweep bar -----------------------------------------------------
-@pytest.mark.filterwarnings("ignore:lr_find:UserWarning")  # a toy sweep
-def test_the_sweep_bar_draws_one_bar_over_the_sweeps_steps_and_no_table(
-    bar_calls, monkeypatch, capsys
-):
-    monkeypatch.setattr(fastprogress, "printing", lambda: True)  # as on a terminal
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    finder = LRFinder(1e-4, 1e-1, num_it=20)
-    bar = SweepBar(20, bars=True)
-    fit(5, model, F.cross_entropy, opt, make_data(), [finder, bar])  # 3 epochs
-    (drawn,) = {c[1] for c in bar_calls}  # one bar: no master bar, none per epoch
-    updates = [c[2] for c in bar_calls if c[0] == "update"]
-    assert drawn.total == 20 and updates[0] == 0 and updates[-1] == 20
-    assert closed(bar_calls, drawn) and bar.pb is None
-    out = capsys.readouterr().out
-    assert "[20/20" in out and f"smooth loss {finder.losses[-1]:.4f}" in out
-    assert "Epoch" not in out and "epoch" not in out and "#na#" not in out
-    assert out.endswith("\n")  # what is printed next starts on its own line
-
-
-def sweep_bar_batch(bar, step, loss, stop_training=False):
-    call_hook(
-        bar,
-        "on_batch_end",
-        train=True,
-        step=step,
-        smooth_loss=torch.tensor(loss),
-        stop_training=stop_training,
-    )
-
-
-def test_the_sweep_bar_reads_the_loss_only_when_redrawn_and_closes_at_a_stop(
-    clock, bar_calls, monkeypatch
-):
-    monkeypatch.setattr(fastprogress, "printing", lambda: True)
-    reads = []
-    original = torch.Tensor.__float__
-    monkeypatch.setattr(
-        torch.Tensor, "__float__", lambda t: reads.append(1) or original(t)
-    )
-    bar = SweepBar(100, refresh=0.25, bars=True)
-    call_hook(bar, "on_train_begin")
-    pb = bar.pb
-    sweep_bar_batch(bar, 1, 2.3)  # the first step is drawn at once
-    for step in range(2, 30):  # frozen clock: no read, no redraw
-        sweep_bar_batch(bar, step, 2.2)
-    assert len(reads) == 1 and pb.comment == "smooth loss 2.3000"
-    clock.now += 0.3
-    sweep_bar_batch(bar, 30, 2.0)
-    assert len(reads) == 2 and bar_calls[-1][:3] == ("update", pb, 30)
-    sweep_bar_batch(bar, 31, 9.0, stop_training=True)  # the finder saw a divergence
-    assert len(reads) == 3 and pb.comment == "smooth loss 9.0000"
-    assert ("update", pb, 31) in [c[:3] for c in bar_calls] and closed(bar_calls, pb)
-    assert bar.pb is None
-    call_hook(bar, "on_train_end")  # nothing left to close
-    assert len(reads) == 3
-
-
-def test_the_sweep_bar_is_interrupted_by_an_error_without_reading_the_loss(
-    bar_calls, monkeypatch
-):
-    monkeypatch.setattr(fastprogress, "printing", lambda: True)
-    bar = SweepBar(10, bars=True)
-    call_hook(bar, "on_train_begin")
-    pb = bar.pb
-    sweep_bar_batch(bar, 1, 2.3)
-    call_hook(bar, "on_train_end", exception=RuntimeError("boom"))
-    assert any(c[0] == "on_interrupt" and c[1] is pb for c in bar_calls)
-    assert bar.pb is None
-
-
-@pytest.mark.filterwarnings("ignore:lr_find:UserWarning")  # a toy sweep
-def test_the_sweep_bar_prints_nothing_without_a_terminal(capsys):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    bar = SweepBar(10)  # bars=None decides; pytest's stdout is no terminal
-    fit(2, model, F.cross_entropy, opt, make_data(), [LRFinder(num_it=10), bar])
-    assert capsys.readouterr().out == ""
-
-
-@pytest.mark.parametrize("total", [0, 2.5, True, None])
-def test_the_sweep_bar_needs_a_positive_int_total(total):
-    with pytest.raises(ValueError, match=r"SweepBar: total must be an int >= 1; got"):
-        SweepBar(total)
-    with pytest.raises(ValueError, match=r"SweepBar\(refresh=0.25\)"):
-        SweepBar(10, refresh=-1)

@@ -5,7 +5,7 @@ import sys
 import matplotlib.pyplot as plt
 import pytest
 import torch
-from helpers import make_data, make_model, scripted_record
+from helpers import make_data, make_model, scripted_record, train
 from matplotlib.axes import Axes
 from torch.nn import functional as F  # noqa: N812
 
@@ -15,7 +15,7 @@ from fitlib.callbacks import Checkpoint
 from fitlib.callbacks import recorder as recorder_module
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy, error_rate
-from fitlib.record import LossSmoother
+from fitlib.running_loss import LossSmoother
 
 
 class FakeOpt:
@@ -55,13 +55,6 @@ def drive_epoch(rec, losses, sizes, last_metrics, opt=None, valid_batches=2):
     call_hook(rec, "on_epoch_end", last_metrics=last_metrics, record=record)
 
 
-def train(callbacks, epochs=2, data=None, metrics=(accuracy,), lr=0.1, mom=0.9):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=lr, mom=mom)
-    data = data or make_data()
-    fit(epochs, model, F.cross_entropy, opt, data, callbacks, list(metrics))
-
-
 class LossSpy(Callback):
     """Reads every training loss (a sync per batch: fine in a test)."""
 
@@ -90,8 +83,9 @@ def test_smooth_losses_are_the_loops_smooth_loss():
                 self.smooth.append(float(smooth_loss))
 
     rec, watch = Recorder(), Watch()
-    train([rec, watch], epochs=2)
-    train([rec, watch], epochs=1)  # a new fit starts a new average, as the loop
+    train([rec, watch], epochs=2, metrics=[accuracy], mom=0.9)
+    # a new fit starts a new average, as the loop
+    train([rec, watch], epochs=1, metrics=[accuracy], mom=0.9)
     assert rec.smooth_losses == pytest.approx(watch.smooth, rel=1e-6)
     assert rec.smooth_losses[0] == rec.losses[0] != rec.smooth_losses[1]
 
@@ -191,7 +185,8 @@ def test_reset_forgets_the_history():
 # -- through fit -----------------------------------------------------------------
 def test_train_loss_through_fit_is_the_exact_sample_weighted_mean():
     rec, spy = Recorder(), LossSpy()
-    train([rec, spy], epochs=1)  # 100 samples in batches of 16: the last has 4
+    # 100 samples in batches of 16: the last has 4
+    train([rec, spy], epochs=1, metrics=[accuracy], mom=0.9)
     assert spy.sizes[-1] == 4
     expected = sum(v * n for v, n in zip(spy.losses, spy.sizes, strict=True)) / 100
     assert rec.train_losses[0] == pytest.approx(expected, rel=1e-6)
@@ -213,7 +208,7 @@ class ChangeLr(Callback):
 
 def test_lrs_follow_an_lr_changed_during_training():
     rec = Recorder()
-    train([rec, ChangeLr()], epochs=1)
+    train([rec, ChangeLr()], epochs=1, metrics=[accuracy], mom=0.9)
     # Each step is recorded with the lr that opt.step() used.
     assert rec.lrs == [0.1] * 3 + [0.01] + [0.001] * 3
     assert rec.moms == [0.9] * 7
@@ -221,8 +216,8 @@ def test_lrs_follow_an_lr_changed_during_training():
 
 def test_history_continues_across_two_fits():
     rec = Recorder()
-    train([rec], epochs=2)
-    train([rec], epochs=1)
+    train([rec], epochs=2, metrics=[accuracy], mom=0.9)
+    train([rec], epochs=1, metrics=[accuracy], mom=0.9)
     assert rec.iterations == list(range(21))
     assert rec.epochs == [0, 1, 2]
     assert rec.epoch_iterations == [6, 13, 20]
@@ -232,7 +227,7 @@ def test_history_continues_across_two_fits():
 
 def test_state_dict_round_trip_restores_an_equal_history():
     rec = Recorder()
-    train([rec], epochs=2)
+    train([rec], epochs=2, metrics=[accuracy], mom=0.9)
     buf = io.BytesIO()
     torch.save(rec.state_dict(), buf)
     buf.seek(0)
@@ -240,14 +235,15 @@ def test_state_dict_round_trip_restores_an_equal_history():
     restored.load_state_dict(torch.load(buf, weights_only=True))
     assert restored.state_dict() == rec.state_dict()
     assert restored.epoch_table() == rec.epoch_table()
-    train([restored], epochs=1)  # and it continues from there
+    # and it continues from there
+    train([restored], epochs=1, metrics=[accuracy], mom=0.9)
     assert restored.epochs == [0, 1, 2]
     assert restored.iterations == list(range(21))
 
 
 def test_state_dict_holds_only_plain_python_values():
     rec = Recorder()
-    train([rec], epochs=1)
+    train([rec], epochs=1, metrics=[accuracy], mom=0.9)
 
     def plain(v):
         if isinstance(v, dict):
@@ -264,7 +260,7 @@ def test_state_dict_holds_only_plain_python_values():
 
 def test_load_state_dict_rejects_missing_keys_and_truncated_lists():
     rec = Recorder()
-    train([rec], epochs=1)
+    train([rec], epochs=1, metrics=[accuracy], mom=0.9)
     sd = rec.state_dict()
     with pytest.raises(ValueError, match=r"lacks.*'times'"):
         Recorder().load_state_dict({k: v for k, v in sd.items() if k != "times"})
@@ -276,7 +272,7 @@ def test_load_state_dict_rejects_missing_keys_and_truncated_lists():
 # -- plots -----------------------------------------------------------------------
 def test_plots_return_the_axes_they_drew_with_the_expected_lines():
     rec = Recorder()
-    train([rec], epochs=2, metrics=[accuracy, error_rate])
+    train([rec], epochs=2, metrics=[accuracy, error_rate], mom=0.9)
     ax = rec.plot_losses()
     assert isinstance(ax, Axes)
     labels = [line.get_label() for line in ax.lines]
@@ -291,13 +287,13 @@ def test_plots_return_the_axes_they_drew_with_the_expected_lines():
     assert acc.figure is err.figure
     assert all(len(a.lines[0].get_xdata()) == 2 for a in (acc, err))
     single = Recorder()
-    train([single], epochs=1, metrics=[accuracy])
+    train([single], epochs=1, metrics=[accuracy], mom=0.9)
     assert isinstance(single.plot_metrics(), Axes)  # one metric: one Axes
 
 
 def test_plot_losses_shows_each_epochs_mean_train_loss_beside_the_valid_loss():
     rec = Recorder()
-    train([rec], epochs=3)
+    train([rec], epochs=3, metrics=[accuracy], mom=0.9)
     lines = {line.get_label(): line for line in rec.plot_losses().lines}
     means, valid = lines["train (epoch mean)"], lines["valid"]
     # At each epoch's last iteration: the numbers of the epoch table.
@@ -313,10 +309,10 @@ def test_plot_losses_shows_each_epochs_mean_train_loss_beside_the_valid_loss():
 def test_plot_losses_without_validation_draws_the_train_lines_and_epoch_means():
     rec = Recorder()
     data = make_data()
-    train([rec], epochs=1, data=DataBunch(data.train_dl, None), metrics=[])
+    train([rec], epochs=1, data=DataBunch(data.train_dl, None), mom=0.9)
     labels = [line.get_label() for line in rec.plot_losses().lines]
     assert labels == ["train (raw)", "train (smoothed)", "train (epoch mean)"]
-    train([rec], epochs=1, metrics=[])  # one epoch with validation, one without
+    train([rec], epochs=1, mom=0.9)  # one epoch with validation, one without
     valid = rec.plot_losses().lines[-1]
     assert valid.get_label() == "valid"
     ys = list(valid.get_ydata())
@@ -340,7 +336,7 @@ def test_plot_metrics_without_metrics_and_moms_without_momentum_explain_why():
 
 def test_plots_leave_their_figures_open_for_pyplot_to_show():
     rec = Recorder()
-    train([rec], epochs=2, metrics=[accuracy, error_rate])
+    train([rec], epochs=2, metrics=[accuracy, error_rate], mom=0.9)
     plt.close("all")
     losses = rec.plot_losses()
     lr, _ = rec.plot_lr(show_moms=True)
@@ -352,7 +348,7 @@ def test_plots_leave_their_figures_open_for_pyplot_to_show():
 
 def test_plots_draw_into_the_axes_given_and_make_no_figure():
     rec = Recorder()
-    train([rec], epochs=2, metrics=[accuracy, error_rate])
+    train([rec], epochs=2, metrics=[accuracy, error_rate], mom=0.9)
     plt.close("all")
     _, (left, right) = plt.subplots(1, 2)
     assert rec.plot_losses(ax=left) is left and len(left.lines) == 4
@@ -366,7 +362,7 @@ def test_plots_draw_into_the_axes_given_and_make_no_figure():
 
 def test_a_wrong_number_of_axes_is_refused_with_the_number_needed():
     rec = Recorder()
-    train([rec], epochs=1, metrics=[accuracy, error_rate])
+    train([rec], epochs=1, metrics=[accuracy, error_rate], mom=0.9)
     _, (a, b, c) = plt.subplots(1, 3)
     with pytest.raises(ValueError, match=r"needs 2 Axes.*got 1"):
         rec.plot_lr(show_moms=True, ax=a)
@@ -514,8 +510,8 @@ class MetricSpy(Callback):
 
 def test_two_fits_with_different_metrics_label_every_epoch_right():
     rec, spy = Recorder(), MetricSpy()
-    train([rec, spy], epochs=2, metrics=[accuracy])
-    train([rec, spy], epochs=1, metrics=[error_rate, accuracy])
+    train([rec, spy], epochs=2, metrics=[accuracy], mom=0.9)
+    train([rec, spy], epochs=1, metrics=[error_rate, accuracy], mom=0.9)
     table = rec.epoch_table()
     assert [list(r) for r in table] == [
         ["epoch", "train_loss", "valid_loss", "accuracy", "time"]
@@ -535,8 +531,8 @@ def test_two_fits_with_different_metrics_label_every_epoch_right():
 
 def test_state_dict_round_trip_keeps_the_metric_names_of_each_epoch():
     rec = Recorder()
-    train([rec], epochs=1, metrics=[accuracy])
-    train([rec], epochs=1, metrics=[error_rate])
+    train([rec], epochs=1, metrics=[accuracy], mom=0.9)
+    train([rec], epochs=1, metrics=[error_rate], mom=0.9)
     buf = io.BytesIO()
     torch.save(rec.state_dict(), buf)
     buf.seek(0)
@@ -566,7 +562,7 @@ def test_a_batch_without_a_step_records_the_latest_steps_lr():
                 opt.lr = 0.1 / (iteration + 2)
 
     rec = Recorder()
-    train([rec, StepEveryOther()], epochs=1)
+    train([rec, StepEveryOther()], epochs=1, metrics=[accuracy], mom=0.9)
     # Batch 1 steps with the lr set after batch 0; batch 2 has no step and
     # repeats it; batch 3 steps with the lr set after batch 2.
     assert rec.lrs[1:4] == [0.05, 0.05, 0.1 / 4]

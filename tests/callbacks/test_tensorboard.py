@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from helpers import make_data, make_model, scripted_record
+from helpers import make_data, make_model, scripted_record, train
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
@@ -64,14 +64,6 @@ def steps(points):
 
 def values(points):
     return [value for _, value in points]
-
-
-def train(callbacks, epochs=2, data=None, metrics=(accuracy,), model=None, **kw):
-    model = model or make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
-    data = data or make_data()
-    fit(epochs, model, F.cross_entropy, opt, data, callbacks, list(metrics), **kw)
-    return model
 
 
 # -- scripted hooks ------------------------------------------------------------
@@ -214,7 +206,7 @@ def test_load_state_dict_rejects_a_state_that_lacks_keys(tmp_path):
 # -- through fit ---------------------------------------------------------------
 def test_fit_writes_epoch_and_step_scalars_that_match_the_recorder(tmp_path):
     tb, rec = TensorBoardLogger(tmp_path, every_n_steps=3), Recorder()
-    train([tb, rec], epochs=2)  # 7 batches per epoch
+    train([tb, rec], epochs=2, metrics=[accuracy], mom=0.9)  # 7 batches per epoch
     scalars, hparams, _ = read_run(tmp_path)
     assert steps(scalars["step/loss"]) == [3, 6, 9, 12, 14]  # 14: the clean end
     assert values(scalars["step/loss"])[1] == pytest.approx(
@@ -236,7 +228,7 @@ def test_fit_writes_epoch_and_step_scalars_that_match_the_recorder(tmp_path):
 def test_hparams_lr_is_the_schedules_peak_and_step_lr_the_steps_lr(tmp_path):
     tb = TensorBoardLogger(tmp_path, every_n_steps=2, hparams={"dropout": 0.3})
     rec = Recorder()
-    train([OneCycleScheduler(0.5), tb, rec], epochs=2)
+    train([OneCycleScheduler(0.5), tb, rec], epochs=2, metrics=[accuracy], mom=0.9)
     scalars, hparams, _ = read_run(tmp_path)
     assert hparams["lr"] == pytest.approx(max(rec.lrs))
     assert hparams["dropout"] == pytest.approx(0.3)
@@ -254,8 +246,8 @@ def test_a_second_fit_in_the_same_second_is_read_after_the_first(tmp_path, monke
         event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9)
     )
     tb = TensorBoardLogger(tmp_path, every_n_steps=5)
-    model = train([tb], epochs=1)
-    train([tb], epochs=1, model=model)
+    model = train([tb], epochs=1, metrics=[accuracy], mom=0.9)
+    train([tb], epochs=1, model=model, metrics=[accuracy], mom=0.9)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert [name.rsplit(".", 1)[-1] for name in files] == ["9", "10"], files
     scalars, _, _ = read_run(tmp_path)
@@ -264,8 +256,8 @@ def test_a_second_fit_in_the_same_second_is_read_after_the_first(tmp_path, monke
 
 def test_a_second_fit_continues_the_step_and_epoch_count(tmp_path):
     tb = TensorBoardLogger(tmp_path, every_n_steps=5)
-    model = train([tb], epochs=1)
-    train([tb], epochs=2, model=model)
+    model = train([tb], epochs=1, metrics=[accuracy], mom=0.9)
+    train([tb], epochs=2, model=model, metrics=[accuracy], mom=0.9)
     scalars, _, _ = read_run(tmp_path)
     assert scalars["epoch/epoch"] == [(7, 0.0), (14, 1.0), (21, 2.0)]
     assert steps(scalars["step/loss"]) == [5, 7, 10, 15, 20, 21]  # 7, 21: ends
@@ -273,7 +265,7 @@ def test_a_second_fit_continues_the_step_and_epoch_count(tmp_path):
 
 def test_max_steps_ends_with_a_last_point_at_the_budget(tmp_path):
     tb = TensorBoardLogger(tmp_path, every_n_steps=4)
-    train([tb], epochs=None, max_steps=10)
+    train([tb], epochs=None, metrics=[accuracy], mom=0.9, max_steps=10)
     scalars, hparams, _ = read_run(tmp_path)
     assert steps(scalars["step/loss"]) == [4, 8, 10]
     assert hparams["max_steps"] == 10 and "epochs" not in hparams
@@ -293,7 +285,7 @@ class Crash(Callback):
 def test_an_error_closes_the_writer_and_writes_no_hparams(tmp_path):
     tb = TensorBoardLogger(tmp_path, every_n_steps=2)
     with pytest.raises(RuntimeError, match="killed"):
-        train([tb, Crash(at_iteration=4)])
+        train([tb, Crash(at_iteration=4)], metrics=[accuracy], mom=0.9)
     assert tb.writer is None
     scalars, hparams, _ = read_run(tmp_path)
     assert steps(scalars["step/loss"]) == [2, 4]  # what was written is on disk
@@ -331,11 +323,23 @@ class Restore(Callback):
 
 def test_a_resumed_run_shows_the_points_of_an_uninterrupted_one(tmp_path):
     data = make_data(shuffle=False)
-    train([TensorBoardLogger(tmp_path / "whole", 3)], epochs=3, data=data)
+    train(
+        [TensorBoardLogger(tmp_path / "whole", 3)],
+        epochs=3,
+        data=data,
+        metrics=[accuracy],
+        mom=0.9,
+    )
     tb = TensorBoardLogger(tmp_path / "resumed", 3)
     snap = Snapshot(tb, at=0)  # after step 7
     with pytest.raises(RuntimeError, match="killed"):
-        train([snap, tb, Crash(at_iteration=11)], epochs=3, data=data)
+        train(
+            [snap, tb, Crash(at_iteration=11)],
+            epochs=3,
+            data=data,
+            metrics=[accuracy],
+            mom=0.9,
+        )
     crashed, _, _ = read_run(tmp_path / "resumed")
     assert steps(crashed["step/loss"]) == [3, 6, 9, 12]  # 9, 12: after the snapshot
 
@@ -364,7 +368,12 @@ def test_a_resumed_run_shows_the_points_of_an_uninterrupted_one(tmp_path):
 def count_syncs(counter, tmp_path, n_train, every):
     data = DataBunch(make_data(n_train).train_dl, make_data().valid_dl)
     before = counter["n"]
-    train([TensorBoardLogger(tmp_path / f"{n_train}", every)], data=data)
+    train(
+        [TensorBoardLogger(tmp_path / f"{n_train}", every)],
+        data=data,
+        metrics=[accuracy],
+        mom=0.9,
+    )
     return counter["n"] - before
 
 
@@ -398,7 +407,7 @@ def test_log_dir_that_cannot_be_created_fails_before_training(tmp_path):
     (tmp_path / "file").write_text("x")
     tb, rec = TensorBoardLogger(tmp_path / "file" / "run"), Recorder()
     with pytest.raises(ValueError, match="cannot be written to"):
-        train([tb, rec])
+        train([tb, rec], metrics=[accuracy], mom=0.9)
     assert rec.losses == []  # no batch ran
 
 

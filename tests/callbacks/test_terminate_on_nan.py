@@ -3,11 +3,10 @@ import time
 
 import pytest
 import torch
-from helpers import make_dataset, make_model
+from helpers import make_data, train
 from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, HPOptimizer, fit
+from fitlib import Callback
 from fitlib.callback import call_hook
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 
@@ -155,20 +154,10 @@ class CountValidation(Callback):
         self.valid_batches += not train
 
 
-def train(callbacks, loss_func, epochs=3, n_train=100):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    data = DataBunch(
-        DataLoader(make_dataset(n_train), 16, shuffle=True),
-        DataLoader(make_dataset(37, seed=1), 16),
-        device="cpu",
-    )
-    fit(epochs, model, loss_func, opt, data, callbacks)
-
-
 def test_fit_stops_right_after_the_first_nan_loss_when_checking_every_batch():
     loss_func, cb, valid = NaNFrom(9), TerminateOnNaN(check_every=0), CountValidation()
-    train([cb, valid], loss_func)  # 7 batches per epoch: step 9 is epoch 1, batch 2
+    # 7 batches per epoch: step 9 is epoch 1, batch 2
+    train([cb, valid], epochs=3, loss_func=loss_func)
     assert (cb.nan_iteration, cb.nan_epoch, cb.nan_batch) == (9, 1, 2)
     assert cb.stop_iteration == 9 and math.isnan(cb.nan_loss)
     assert loss_func.train_calls == 10  # no batch after the bad one
@@ -178,7 +167,7 @@ def test_fit_stops_right_after_the_first_nan_loss_when_checking_every_batch():
 def test_fit_with_a_frozen_clock_stops_at_the_epoch_end(monkeypatch):
     monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)
     loss_func, cb = NaNFrom(9), TerminateOnNaN(check_every=1.0)
-    train([cb], loss_func)
+    train([cb], epochs=3, loss_func=loss_func)
     assert (cb.nan_iteration, cb.nan_epoch, cb.nan_batch) == (9, 1, 2)
     assert cb.stop_iteration == 13  # the rest of epoch 1 trained
     assert loss_func.train_calls == 14  # and no epoch 2
@@ -186,7 +175,7 @@ def test_fit_with_a_frozen_clock_stops_at_the_epoch_end(monkeypatch):
 
 def test_fit_without_nan_runs_every_epoch():
     loss_func, cb = NaNFrom(10**6), TerminateOnNaN(check_every=0)
-    train([cb], loss_func)
+    train([cb], epochs=3, loss_func=loss_func)
     assert loss_func.train_calls == 21
     assert cb.nan_iteration is None
 
@@ -200,7 +189,9 @@ def sync_count(sync_counter, frozen_clock):
 
 def syncs_of_fit(counts, n_train, callbacks):
     before = counts["n"]
-    train(callbacks, F.cross_entropy, epochs=2, n_train=n_train)
+    train(
+        callbacks, epochs=2, data=make_data(n_train=n_train), loss_func=F.cross_entropy
+    )
     return counts["n"] - before
 
 

@@ -5,17 +5,14 @@ import time
 
 import pytest
 import torch
-from helpers import make_dataset, make_model, scripted_record
-from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
+from helpers import make_data, scripted_record, train
 
-from fitlib import DataBunch, HPOptimizer, fit
 from fitlib.callback import call_hook
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.text_logger import TextLogger
 from fitlib.metrics import Metrics, accuracy
-from fitlib.record import RunningLoss
+from fitlib.running_loss import RunningLoss
 from fitlib.tracking import TrainClock
 
 
@@ -58,17 +55,6 @@ def batch(cb, loss, size, step, epoch=0, opt=None, train=True):
 
 def begin(cb, iteration=0, metrics=(accuracy,)):
     call_hook(cb, "on_train_begin", iteration=iteration, metrics=Metrics(list(metrics)))
-
-
-def run_fit(callbacks, epochs=2, n_train=100):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
-    data = DataBunch(
-        DataLoader(make_dataset(n_train), 16, shuffle=True),
-        DataLoader(make_dataset(37, seed=1), 16),
-        device="cpu",
-    )
-    fit(epochs, model, F.cross_entropy, opt, data, callbacks, [accuracy])
 
 
 # -- helpers ---------------------------------------------------------------------
@@ -233,21 +219,27 @@ def test_a_fresh_fit_restarts_the_counters(logs):
 # -- through fit -----------------------------------------------------------------
 def test_through_fit_it_logs_step_and_epoch_lines(logs):
     rec = Recorder()
-    run_fit([rec, TextLogger(every_n_steps=3)], epochs=2)  # 7 steps per epoch
+    # 7 steps per epoch
+    train([rec, TextLogger(every_n_steps=3)], epochs=2, metrics=[accuracy], mom=0.9)
     got = lines(logs)
     steps = [int(m[1]) for line in got if (m := re.match(r"step (\d+) ", line))]
     assert steps == [3, 6, 9, 12]
     epoch_lines = [line for line in got if line.startswith("epoch")]
     assert len(epoch_lines) == 2
-    train = float(re.search(r"train_loss (\S+)", epoch_lines[1])[1])
-    assert train == pytest.approx(rec.train_losses[1], rel=1e-5)
+    train_loss = float(re.search(r"train_loss (\S+)", epoch_lines[1])[1])
+    assert train_loss == pytest.approx(rec.train_losses[1], rel=1e-5)
     first = re.match(r"step 3 \(epoch 0\): loss (\S+), lr (\S+), ", got[0])
     assert float(first[1]) == pytest.approx(sum(rec.losses[:3]) / 3, rel=1e-5)
     assert float(first[2]) == 0.1
 
 
 def test_through_fit_with_accumulation_lines_follow_optimizer_steps(logs):
-    run_fit([TextLogger(every_n_steps=2), GradientAccumulation(3)], epochs=2)
+    train(
+        [TextLogger(every_n_steps=2), GradientAccumulation(3)],
+        epochs=2,
+        metrics=[accuracy],
+        mom=0.9,
+    )
     steps = [int(m[1]) for line in lines(logs) if (m := re.match(r"step (\d+)", line))]
     # 7 batches per epoch in groups of 3 (the last ragged): 3 steps per epoch.
     assert steps == [2, 4, 6]
@@ -256,7 +248,12 @@ def test_through_fit_with_accumulation_lines_follow_optimizer_steps(logs):
 def test_one_transfer_per_line_and_none_per_batch(logs, sync_counter, frozen_clock):
     def count(n_train):
         before = sync_counter["n"]
-        run_fit([TextLogger(every_n_steps=4)], n_train=n_train)
+        train(
+            [TextLogger(every_n_steps=4)],
+            data=make_data(n_train=n_train),
+            metrics=[accuracy],
+            mom=0.9,
+        )
         return sync_counter["n"] - before
 
     few, many = count(64), count(256)  # 8 and 32 steps: 2 and 8 step lines

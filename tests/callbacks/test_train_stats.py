@@ -4,12 +4,10 @@ import time
 
 import pytest
 import torch
-from helpers import make_dataset, make_model
+from helpers import make_data, train
 from torch import nn
-from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, HPOptimizer, fit
+from fitlib import Callback
 from fitlib.callback import call_hook
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.clipping import GradientClipping
@@ -49,17 +47,6 @@ def step(cb, model, grad, step, size=4, skip_step=False):
         model=model,
         last_target=torch.zeros(size),
     )
-
-
-def run_fit(callbacks, epochs=2, n_train=100):
-    model = make_model()
-    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
-    data = DataBunch(
-        DataLoader(make_dataset(n_train), 16, shuffle=True),
-        DataLoader(make_dataset(37, seed=1), 16),
-        device="cpu",
-    )
-    fit(epochs, model, F.cross_entropy, opt, data, callbacks)
 
 
 class GradSpy(Callback):
@@ -193,7 +180,7 @@ def test_a_fresh_fit_clears_the_history():
 def test_through_fit_the_grad_norm_is_the_raw_one_before_clipping():
     stats, before = TrainStats(every_n_steps=7), GradSpy(order=-16)
     clip = GradientClipping(max_norm=0.01)
-    run_fit([stats, before, clip], epochs=2)  # 7 steps per epoch
+    train([stats, before, clip], epochs=2, mom=0.9)  # 7 steps per epoch
     assert [h["step"] for h in stats.history] == [7, 14]
     for report, norms in zip(stats.history, (before.norms[:7], before.norms[7:])):
         assert report["grad_norm"] == pytest.approx(sum(norms) / 7, rel=1e-5)
@@ -208,13 +195,13 @@ def test_through_fit_the_weight_norm_is_the_models_after_the_step():
                 self.norm = flat_norm(list(model.parameters()))
 
     stats, spy = TrainStats(every_n_steps=6), WeightSpy()
-    run_fit([stats, spy], epochs=1)
+    train([stats, spy], epochs=1, mom=0.9)
     assert stats.history[0]["weight_norm"] == pytest.approx(spy.norm, rel=1e-6)
 
 
 def test_through_fit_with_accumulation_reports_follow_optimizer_steps():
     stats, spy = TrainStats(every_n_steps=2), GradSpy(order=-16)
-    run_fit([stats, spy, GradientAccumulation(3)], epochs=2)
+    train([stats, spy, GradientAccumulation(3)], epochs=2, mom=0.9)
     assert [h["step"] for h in stats.history] == [2, 4, 6]
     assert len(spy.norms) == 6
     assert stats.history[0]["grad_norm"] == pytest.approx(sum(spy.norms[:2]) / 2)
@@ -223,7 +210,7 @@ def test_through_fit_with_accumulation_reports_follow_optimizer_steps():
 def test_one_transfer_per_report_and_none_per_batch(sync_counter, frozen_clock):
     def count(n_train):
         before = sync_counter["n"]
-        run_fit([TrainStats(every_n_steps=4)], n_train=n_train)
+        train([TrainStats(every_n_steps=4)], data=make_data(n_train=n_train), mom=0.9)
         return sync_counter["n"] - before
 
     few, many = count(64), count(256)  # 8 and 32 steps: 2 and 8 reports

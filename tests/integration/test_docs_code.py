@@ -14,18 +14,47 @@ directory, with torch on one thread and matplotlib's Agg backend:
   commands (``pip install``, ``make``, ``git clone``, ...): that is checked;
 - every fence names its language; ```text, ```toml and the like are not code.
 
+A ```text block that directly follows a ```python or ```bash block (only blank
+lines between the two fences) is that block's expected output, and is
+compared with what the block writes:
+
+- a python block's stdout and stderr are captured together, in the order they
+  are written, as one would see them in a terminal; a warning is shown as its
+  first line without the location, ``UserWarning: message`` (the paths and
+  line numbers Python prints before it differ between machines), once per
+  place in the code per page, as in a script (Python's default filters: a
+  ``DeprecationWarning`` only from the page's own code);
+- a bash block's stdout and stderr are read together from one pipe;
+- the output is compared with the text by ``doctest.OutputChecker``, ``ELLIPSIS``,
+  ``NORMALIZE_WHITESPACE`` and ``DONT_ACCEPT_TRUE_FOR_1``: runs of spaces and
+  newlines count as one space, and ``...`` stands for any text, which is
+  how a page writes what varies between runs (a time, a temporary path, a
+  file's size); everything else, numbers included, must be exact.
+
+A ```text block after prose (or after anything but a python or bash block) is
+illustrative and not compared: put a sentence before the output of code the
+page does not run, or that is not the output of the block above it.
+
 A failing block fails its page's test with ``PAGE:LINE`` (the line of the
-block's opening fence) and the traceback, whose lines are the page's lines.
+block's opening fence) and the traceback, whose lines are the page's lines;
+a block whose output differs from its ```text block fails with ``PAGE:LINE``
+of the text block and a diff of the shown output and the real one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import doctest
+import io
+import itertools
 import os
 import re
 import subprocess
 import sys
 import traceback
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +107,10 @@ SETUP_COMMANDS = (
     "conda activate",
 )
 BASH_TIMEOUT = 300
+# How a ```text block is compared with the output of the block above it.
+OUTPUT_FLAGS = (
+    doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.DONT_ACCEPT_TRUE_FOR_1
+)
 
 
 class DocsBlockError(AssertionError):
@@ -89,6 +122,7 @@ class Block:
     lang: str  # the fence's first word, lower case ("" when none)
     line: int  # 1-based line of the opening fence
     code: str  # the block's lines, the fence's indentation removed
+    end: int = 0  # 1-based line of the closing fence
 
 
 def blocks(text: str, where: str) -> list[Block]:
@@ -115,9 +149,68 @@ def blocks(text: str, where: str) -> list[Block]:
             j += 1
         else:
             raise DocsBlockError(f"{where}:{i + 1}: the code block is never closed")
-        found.append(Block(lang, i + 1, "\n".join(body) + "\n"))
+        found.append(Block(lang, i + 1, "\n".join(body) + "\n", j + 1))
         i = j + 1
     return found
+
+
+def expected_outputs(page_blocks: list[Block], lines: list[str]) -> dict[int, Block]:
+    """The ```text block that shows each python or bash block's output.
+
+    Keyed by the code block's index; a text block counts only when nothing
+    but blank lines separates it from the code block before it.
+    """
+    found = {}
+    for k, (code, nxt) in enumerate(itertools.pairwise(page_blocks)):
+        between = lines[code.end : nxt.line - 1]
+        if (
+            RENAMED.get(code.lang, code.lang) in ("python", "bash")
+            and nxt.lang == "text"
+            and not FILE_HEADER.match(code.code.split("\n", 1)[0])
+            and not any(line.strip() for line in between)
+        ):
+            found[k] = nxt
+    return found
+
+
+def check_output(shown: Block, got: str, where: str) -> None:
+    """Fails unless ``got`` matches the output a ```text block shows."""
+    checker = doctest.OutputChecker()
+    if checker.check_output(shown.code, got, OUTPUT_FLAGS):
+        return
+    diff = difflib.unified_diff(
+        shown.code.splitlines(),
+        got.splitlines(),
+        f"{where}:{shown.line} (the ```text block)",
+        "the output",
+        lineterm="",
+    )
+    raise DocsBlockError(
+        f"{where}:{shown.line}: the ```text block does not show what the block "
+        "above it prints (write `...` only for what varies between runs: a time, "
+        "a temporary path; spaces and newlines may differ)\n" + "\n".join(diff)
+    )
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None):
+    """Writes a warning as ``Category: message`` to the current stderr."""
+    print(f"{category.__name__}: {message}", file=file or sys.stderr)
+
+
+@contextlib.contextmanager
+def script_warnings():
+    """Warnings filtered as in a script (Python's default filters), one line each."""
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for category in (ImportWarning, PendingDeprecationWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "default", category=DeprecationWarning, module="__main__"
+        )
+        warnings.showwarning = show_warning
+        yield
 
 
 def check_console(block: Block, where: str) -> None:
@@ -147,7 +240,8 @@ def run_python(code: str, line: int, page: Path, namespace: dict) -> None:
     exec(compile(padded, str(page), "exec"), namespace)
 
 
-def run_bash(block: Block, workdir: Path, where: str) -> None:
+def run_bash(block: Block, workdir: Path, where: str) -> str:
+    """Runs a bash block; returns its stdout and stderr, read from one pipe."""
     bin_dir = str(Path(sys.executable).parent)
     env = child_env(
         PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
@@ -159,7 +253,8 @@ def run_bash(block: Block, workdir: Path, where: str) -> None:
             ["bash", "-e", "-c", block.code],
             cwd=workdir,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
             timeout=BASH_TIMEOUT,
         )
@@ -170,17 +265,64 @@ def run_bash(block: Block, workdir: Path, where: str) -> None:
     if done.returncode:
         raise DocsBlockError(
             f"{where}:{block.line}: the bash block exited with {done.returncode}\n"
-            f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+            f"--- stdout and stderr\n{done.stdout}"
         )
+    return done.stdout
+
+
+def run_block(
+    block: Block, page: Path, workdir: Path, where: str, namespace: dict, capture: bool
+) -> str:
+    """Runs one block of a page; returns its output when ``capture`` is set."""
+    lang = RENAMED.get(block.lang, block.lang)
+    if not block.lang:
+        raise DocsBlockError(
+            f"{where}:{block.line}: the code block names no language; "
+            "use ```python, ```bash, ```console or ```text (output)"
+        )
+    if lang != block.lang:
+        raise DocsBlockError(
+            f"{where}:{block.line}: write ```{lang}, not ```{block.lang}, "
+            "so the block runs in the tests"
+        )
+    if header := FILE_HEADER.match(block.code.split("\n", 1)[0]):
+        target = workdir / header["name"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(block.code)
+    elif lang == "python":
+        out = io.StringIO()
+        try:
+            with contextlib.ExitStack() as redirect:
+                if capture:  # stdout and stderr, in the order they are written
+                    redirect.enter_context(contextlib.redirect_stdout(out))
+                    redirect.enter_context(contextlib.redirect_stderr(out))
+                run_python(block.code, block.line, page, namespace)
+        except Exception as e:
+            raise DocsBlockError(
+                f"{where}:{block.line}: the python block raised "
+                f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+                + (f"--- its output\n{out.getvalue()}" if capture else "")
+            ) from e
+        return out.getvalue()
+    elif lang == "bash":
+        return run_bash(block, workdir, where)
+    elif lang == "console":
+        check_console(block, where)
+    return ""
 
 
 def run_page(page: Path, workdir: Path, where: str | None = None) -> None:
     """Runs the code blocks of one page in ``workdir`` (the current directory).
 
     Raises:
-        DocsBlockError: naming ``where:LINE`` of the first block that fails.
+        DocsBlockError: naming ``where:LINE`` of the first block that fails,
+            or of each ```text block that differs from its block's output.
     """
     where = where or str(page)
+    text = page.read_text()
+    page_blocks = blocks(text, where)
+    shown = expected_outputs(page_blocks, text.splitlines())
+    mismatches = []
     main = types.ModuleType("__main__")
     saved_main, threads = sys.modules["__main__"], torch.get_num_threads()
     matplotlib.use("Agg")
@@ -188,41 +330,24 @@ def run_page(page: Path, workdir: Path, where: str | None = None) -> None:
     torch.set_num_threads(1)
     sys.modules["__main__"] = main
     try:
-        for block in blocks(page.read_text(), where):
-            lang = RENAMED.get(block.lang, block.lang)
-            if not block.lang:
-                raise DocsBlockError(
-                    f"{where}:{block.line}: the code block names no language; "
-                    "use ```python, ```bash, ```console or ```text (output)"
+        with script_warnings():
+            for k, block in enumerate(page_blocks):
+                got = run_block(
+                    block, page, workdir, where, main.__dict__, capture=k in shown
                 )
-            if lang != block.lang:
-                raise DocsBlockError(
-                    f"{where}:{block.line}: write ```{lang}, not ```{block.lang}, "
-                    "so the block runs in the tests"
-                )
-            first = block.code.split("\n", 1)[0]
-            if header := FILE_HEADER.match(first):
-                target = workdir / header["name"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(block.code)
-            elif lang == "python":
-                try:
-                    run_python(block.code, block.line, page, main.__dict__)
-                except Exception as e:
-                    raise DocsBlockError(
-                        f"{where}:{block.line}: the python block raised "
-                        f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-                    ) from e
-            elif lang == "bash":
-                run_bash(block, workdir, where)
-            elif lang == "console":
-                check_console(block, where)
+                if k in shown:
+                    try:
+                        check_output(shown[k], got, where)
+                    except DocsBlockError as e:
+                        mismatches.append(str(e))  # and run on: report them all
     finally:
         sys.modules["__main__"] = saved_main
         torch.set_num_threads(threads)
         import matplotlib.pyplot as plt
 
         plt.close("all")
+    if mismatches:
+        raise DocsBlockError("\n\n".join(mismatches))
 
 
 @pytest.mark.parametrize(
@@ -313,7 +438,76 @@ def test_set_up_commands_and_indented_blocks_pass(tmp_path, monkeypatch):
         "```console\n$ git clone https://x/fitlib && cd fitlib\n"
         'make docs\npip install -e ".[docs]" \\\n  -c constraints.txt\n```\n'
         "1. A step\n\n    ```python\n    z = 3\n    ```\n\n"
-        "```text\nnot code\n```\n",
+        "An example, after prose: not compared.\n\n```text\nnot code\n```\n",
     )
     monkeypatch.chdir(tmp_path / "work")
     run_page(page, tmp_path / "work")
+
+
+# A ```text block right after a python or bash block is its expected output.
+
+
+def test_a_shown_output_that_differs_from_the_real_one_fails_with_a_diff(
+    tmp_path, monkeypatch
+):
+    page = scratch(
+        tmp_path,
+        "# A page\n\n```python\nprint('same weights:', 1 + 1 == 3)\n```\n\n"
+        "```text\nsame weights: True\n```\n",
+    )
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(DocsBlockError, match=r"scratch\.md:7: the ```text block") as e:
+        run_page(page, tmp_path / "work", where="scratch.md")
+    assert "\n-same weights: True\n+same weights: False" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "code, shown",
+    [
+        ("print(True)", "1"),  # doctest would take 1 for True: not here
+        ("print(0.6345126330852509)", "0.6345126330852"),  # numbers are exact
+        ("print('a')\nprint('b')", "a"),  # a line left out
+        ("x = 1", "1"),  # nothing printed
+        ("import sys\nprint('oops', file=sys.stderr)", "..."),  # stderr counts...
+    ],
+)
+def test_each_kind_of_drift_between_code_and_shown_output_fails(
+    tmp_path, monkeypatch, code, shown
+):
+    page = scratch(tmp_path, f"```python\n{code}\n```\n```text\n{shown}\n```\n")
+    monkeypatch.chdir(tmp_path / "work")
+    if shown == "...":  # ... and "..." matches it
+        run_page(page, tmp_path / "work", where="scratch.md")
+        return
+    with pytest.raises(DocsBlockError, match=r"scratch\.md:\d+: the ```text block"):
+        run_page(page, tmp_path / "work", where="scratch.md")
+
+
+def test_dots_stand_for_what_varies_and_stdout_stderr_and_warnings_come_in_order(
+    tmp_path, monkeypatch
+):
+    page = scratch(
+        tmp_path,
+        "```python\nimport sys, time, warnings\n"
+        "print('took', time.perf_counter(), 's')\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "warnings.warn('careful')\n"
+        "print('done:',\n  42)\n```\n\n\n"
+        "```text\ntook ... s\nto stderr\nUserWarning: careful\ndone:   42\n```\n",
+    )
+    monkeypatch.chdir(tmp_path / "work")
+    run_page(page, tmp_path / "work", where="scratch.md")
+
+
+def test_a_bash_blocks_output_is_compared_and_prose_before_a_text_block_is_not(
+    tmp_path, monkeypatch
+):
+    good = "```bash\necho out; echo err >&2\n```\n\n```text\nout\nerr\n```\n"
+    prose = "```python\nprint(1)\n```\n\nFor example:\n\n```text\n2\n```\n"
+    for text in (good, prose):
+        (tmp_path / "scratch.md").write_text(text)
+        run_page(tmp_path / "scratch.md", tmp_path)
+    page = scratch(tmp_path, good.replace("echo err", "echo error"))
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(DocsBlockError, match=r"(?s)scratch\.md:5: .*\n-err\n\+error$"):
+        run_page(page, tmp_path / "work", where="scratch.md")

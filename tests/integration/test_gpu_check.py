@@ -16,7 +16,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, Learner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu  # noqa: E402
 

@@ -1,7 +1,11 @@
-"""Files on disk that must not make a resume lie (issue 29, items 14, 15, 18)."""
+"""``fitlib.file_errors``: files on disk that must not make a resume lie: a
+flipped bit in a saved weight or RNG state is refused with the member's
+CRC-32, a full disk during a checkpoint is named and keeps the last file
+(issue 29, items 15, 18); and the parts (``verify_file``, ``DamagedFileError``,
+``failed_write``, ``save_error``, ``tensor_bytes``) alone."""
 
 import errno
-import os
+import pickle
 import warnings
 
 import pytest
@@ -13,7 +17,14 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Learner
 from fitlib.callbacks import Checkpoint
-from fitlib.resume import LOCK_NAME, DirLock
+from fitlib.file_errors import (
+    DamagedFileError,
+    failed_write,
+    save_error,
+    tensor_bytes,
+    verify_file,
+)
+from fitlib.resume import LOCK_NAME
 from fitlib.serialization import safe_load
 
 
@@ -22,53 +33,6 @@ def learner(tmp_path, callbacks=()):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     return Learner(make_data(), model, F.cross_entropy, path=tmp_path,
                    progress=False, callbacks=list(callbacks))  # fmt: skip
-
-
-# -- the lock (item 14) ------------------------------------------------------------
-def test_a_lock_linked_to_a_file_is_refused_and_the_file_kept(tmp_path):
-    notes = tmp_path / "notes.txt"
-    notes.write_text("a week of notes")
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / LOCK_NAME).symlink_to(notes)
-    with pytest.raises(ValueError, match="symbolic link") as e:
-        learner(tmp_path, [Checkpoint(runs)]).fit(1, lr=0.05)
-    assert str(runs / LOCK_NAME) in str(e.value) and "Fix: remove" in str(e.value)
-    assert notes.read_text() == "a week of notes"
-    assert list(runs.glob("*.pth")) == []  # nothing trained
-
-
-def test_a_dangling_lock_link_is_refused_and_creates_nothing(tmp_path):
-    target = tmp_path / "elsewhere.txt"
-    (tmp_path / LOCK_NAME).symlink_to(target)
-    with pytest.raises(ValueError, match="symbolic link"):
-        DirLock(tmp_path).acquire()
-    assert not target.exists()
-
-
-@pytest.mark.parametrize("kind", ["directory", "fifo", "hard link"])
-def test_a_lock_path_that_is_not_a_plain_file_is_refused(tmp_path, kind):
-    path = tmp_path / LOCK_NAME
-    other = tmp_path / "notes.txt"
-    if kind == "directory":
-        path.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(path)
-    else:
-        other.write_text("notes")
-        os.link(other, path)
-    with pytest.raises(ValueError, match=f"{kind}.*Fix: remove") as e:
-        DirLock(tmp_path).acquire()
-    assert str(path) in str(e.value)
-    if kind == "hard link":
-        assert other.read_text() == "notes"
-
-
-def test_a_plain_lock_file_is_still_taken_and_written(tmp_path):
-    lock = DirLock(tmp_path)
-    lock.acquire()
-    assert f"pid: {os.getpid()}" in (tmp_path / LOCK_NAME).read_text()
-    lock.release()
 
 
 # -- a flipped bit (item 15) -------------------------------------------------------
@@ -146,3 +110,70 @@ def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_last(
         k: v for k, v in before.items() if k != LOCK_NAME
     }
     assert safe_load(path)["position"]["step"] == 9  # the last one, intact
+
+
+# -- the parts alone ---------------------------------------------------------------
+def test_verify_file_passes_a_whole_file_and_names_a_damaged_member(tmp_path):
+    weight = torch.randn(4, 5)
+    path = tmp_path / "w.pth"
+    torch.save({"w": weight}, path)
+    verify_file(path)  # nothing changed: no error
+    member, offset = member_holding(path, weight)
+    flip_bit(path, offset + 8)
+    with pytest.raises(DamagedFileError) as e:
+        verify_file(path)
+    assert e.value.path == path and member in e.value.reason
+    assert "do not match their CRC-32" in e.value.reason
+    assert str(e.value).endswith(f"Fix: {e.value.fix}.")
+    copy = pickle.loads(pickle.dumps(e.value))  # as multiprocessing sends it
+    assert (copy.path, copy.reason, str(copy)) == (path, e.value.reason, str(e.value))
+
+
+def test_verify_file_leaves_a_file_that_is_no_zip_and_refuses_a_broken_one(tmp_path):
+    legacy = tmp_path / "legacy.pth"
+    torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    verify_file(legacy)  # no checksums to check: torch.load says the rest
+    broken = tmp_path / "broken.pth"
+    torch.save({"w": torch.ones(1000)}, broken)
+    raw = broken.read_bytes()
+    at = raw.rindex(b"PK\x01\x02")  # the zip directory's last entry
+    broken.write_bytes(raw[:at] + b"XX" + raw[at + 2 :])
+    with pytest.raises(DamagedFileError, match="zip directory cannot be read"):
+        verify_file(broken)
+
+
+def test_failed_write_finds_the_os_error_behind_torchs_short_write():
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert failed_write(full) is full
+    assert failed_write(FileNotFoundError(errno.ENOENT, "gone")) is None
+    short = RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64")
+    assert failed_write(short) is short  # no errno behind it: the error itself
+    short.__cause__ = full
+    assert failed_write(short) is full
+    assert failed_write(RuntimeError("cannot pickle 'generator'")) is None
+
+
+def test_save_error_says_why_and_the_fix_by_errno(tmp_path):
+    path = tmp_path / "model.pth"
+    error = save_error(path, OSError(errno.EROFS, "Read-only file system"), None)
+    assert isinstance(error, OSError) and isinstance(error, RuntimeError)
+    assert error.errno == errno.EROFS
+    text = str(error)
+    assert repr(str(path)) in text and "the device is read-only" in text
+    assert "no file was left under that name" in text
+    assert "Fix: save to a directory on a writable device." in text
+    path.write_bytes(b"old")
+    full = save_error(path, RuntimeError("unexpected pos 8"), lambda: 1234, False)
+    assert full.errno == errno.ENOSPC  # a short write with no errno: a full disk
+    assert "the save needs about 1,234 bytes" in str(full)
+    assert "No temporary file could be created; the file keeps what it held" in (
+        str(full)
+    )
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    w = torch.zeros(10)  # 40 bytes
+    assert (
+        tensor_bytes({"a": w, "b": [w[:5], (torch.zeros(2, dtype=torch.int64),)]}) == 56
+    )
+    assert tensor_bytes({"n": 3, "s": "text"}) == 0

@@ -1,6 +1,7 @@
 """The epoch's loss of a token (or pixel) loss is its mean over the whole
 set's tokens, not the mean of the batches' means weighted by their samples:
-``fitlib.record.loss_count`` says what each batch's loss is a mean over."""
+``fitlib.running_loss.loss_count`` says what each batch's loss is a mean over
+(and ``batch_size`` how many samples a batch holds)."""
 
 import functools
 
@@ -12,7 +13,8 @@ from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
-from fitlib.record import RunningLoss, loss_count, to_floats
+from fitlib.host_copy import to_floats
+from fitlib.running_loss import RunningLoss, batch_size, loss_count
 from fitlib.sequences import PadCollate, masked_cross_entropy
 
 
@@ -267,3 +269,9 @@ def test_class_indices_of_one_dim_stop_asking_after_the_first_batch(monkeypatch)
     learn.fit(2, lr=0.1)
     assert len(calls) == 1  # no call per step for (B,) class indices
     assert learn.recorder.train_losses[-1] < learn.recorder.train_losses[0]
+
+
+def test_batch_size_reads_targets_then_inputs():
+    assert batch_size(torch.zeros(7)) == 7
+    assert batch_size((torch.zeros(5, 2), torch.zeros(5))) == 5
+    assert batch_size(torch.tensor(1.0), {"x": torch.zeros(3, 1)}) == 3

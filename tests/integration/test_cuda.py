@@ -164,7 +164,7 @@ def test_bf16_on_cuda_runs_the_forward_in_bfloat16():
 
 
 def test_a_host_copy_starts_without_a_sync_and_reads_the_value():
-    from fitlib.record import HostCopy
+    from fitlib.host_copy import HostCopy
 
     x = torch.randn(256, 256, device="cuda")
     torch.cuda.set_sync_debug_mode("error")

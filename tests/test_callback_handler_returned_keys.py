@@ -1,6 +1,7 @@
-"""Keys a callback returns take effect: the data, the batch, the output, the
-loss, the optimizer and its lr, the loss function, the model and the metrics,
-mid-epoch, and the skip and stop flags (fastai v1's "EyeOfSauron")."""
+"""``CallbackHandler``: keys a callback returns take effect: the data, the
+batch, the output, the loss, the optimizer and its lr, the loss function, the
+model and the metrics, mid-epoch, and the skip and stop flags (fastai v1's
+"EyeOfSauron")."""
 
 import pytest
 import torch

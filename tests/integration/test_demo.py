@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEMO = Path(__file__).parents[1] / "examples" / "demo_digits.py"
+DEMO = Path(__file__).parents[2] / "examples" / "demo_digits.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -18,7 +18,7 @@ import nbformat
 import pytest
 from ipykernel.kernelspec import install
 
-NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 IDS = [p.name for p in NOTEBOOKS]
 
 
