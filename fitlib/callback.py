@@ -78,16 +78,16 @@ STATE_KEYS: dict[str, str] = {
         "update it in ``on_train_begin``, so schedulers (higher ``order``) read "
         "the true count"
     ),
-    "step": (
-        "optimizer steps done since ``fit`` began: the handler adds 1 after "
-        "``on_step_end`` when the step ran (``skip_step`` False), so "
-        "``on_batch_end`` counts this batch's step"
-    ),
     "epoch": "the current epoch, 0-based",
     "iteration": (
         "training batches finished since ``fit`` began (so, inside a batch's "
         "hooks, the 0-based index of that batch); a fit that begins with "
         "``iteration > 0`` is a resumed one"
+    ),
+    "step": (
+        "optimizer steps done since ``fit`` began: the handler adds 1 after "
+        "``on_step_end`` when the step ran (``skip_step`` False), so "
+        "``on_batch_end`` counts this batch's step"
     ),
     "num_batch": "the 0-based index of the batch within the current loader",
     "train": "True for training batches, False for validation batches",

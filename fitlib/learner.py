@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-import fitlib.metrics as fm
 import fitlib.ranks as ranks
 from fitlib.callback import Callback, inner_callback
 from fitlib.callback_handler import CallbackHandler, callback_list
@@ -31,13 +30,14 @@ from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.channels_last import ChannelsLast, check_convolutional
 from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
-from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs, lr_sweep
+from fitlib.callbacks.lr_finder import LRFinder, lr_sweep
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.one_cycle import OneCycleScheduler, peak_lr
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.schedule import ParamScheduler, constant, cosine, linear
 from fitlib.callbacks.sweep_bar import SweepBar
+from fitlib.checkpoint_files import not_a_file
 from fitlib.checks import (
     check_data,
     check_flag,
@@ -52,15 +52,14 @@ from fitlib.data import model_device, to_device
 from fitlib.errors import name_of
 from fitlib.history import History
 from fitlib.host_copy import to_floats
+from fitlib.hyper_checks import LR, check_hyper, check_opt_func
+from fitlib.lr_suggestions import SuggestedLRs
+from fitlib.metrics.collection import Metrics
+from fitlib.metrics.functions import accuracy
 from fitlib.multi_optimizer import MultiOptimizer, check_part_names, spread_over_parts
-from fitlib.optim import (
-    LR,
-    HPOptimizer,
-    check_hyper,
-    check_opt_func,
-)
+from fitlib.optim import HPOptimizer
 from fitlib.parts import by_part, part_groups
-from fitlib.resume import give_states, not_a_file
+from fitlib.resume import give_states
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.running_loss import first_tensor
 from fitlib.serialization import (
@@ -222,7 +221,7 @@ class Learner:
 
     def __repr__(self) -> str:
         loss = name_of(self.loss_func)
-        names = fm.Metrics(self.metrics).names
+        names = Metrics(self.metrics).names
         return (
             f"Learner({type(self.model).__name__}, loss_func={loss}, "
             f"opt_func={_func_names(self.opt_func)}, metrics={names}, "
@@ -288,7 +287,7 @@ class Learner:
             history=history,
         )
 
-    def _metrics(self, name: str) -> fm.Metrics:
+    def _metrics(self, name: str) -> Metrics:
         """``learn.metrics`` or ``learn.train_metrics``, checked again: they
         may have been set after ``__init__`` (the fix says how)."""
         return as_metrics(getattr(self, name), name, owner="Learner", attribute=True)
@@ -473,7 +472,7 @@ class Learner:
         self,
         dl: Iterable,
         loss_func: Any,
-        metrics: fm.Metrics | None = None,
+        metrics: Metrics | None = None,
         collect: Callback | None = None,
         batch_fn: Callable[[Any], Any] | None = None,
     ) -> tuple[list[torch.Tensor], CallbackHandler]:
@@ -494,7 +493,7 @@ class Learner:
         self,
         dl: Iterable,
         loss_func: Any,
-        metrics: fm.Metrics | None,
+        metrics: Metrics | None,
         collect: Callback | None,
         batch_fn: Callable[[Any], Any] | None,
     ) -> tuple[list[torch.Tensor], CallbackHandler]:
@@ -747,11 +746,11 @@ class Learner:
                 callbacks=[cb for cb in self.callbacks if _in_lr_find(cb)],
                 bar=[SweepBar(num_it)] if self.progress else [],
                 metrics=self._metrics("metrics"),  # not computed, but named
+                recorder=self.recorder,
             )
         finally:
             if not had_opt:
                 self.opt = None
-            self.recorder.lr_find_result = finder.result
 
     def fit_snapshots(
         self,
@@ -986,7 +985,7 @@ def _default_metrics(loss_func: Callable) -> list:
             "fitlib: no metrics given; reporting accuracy since the loss is "
             "cross-entropy (pass metrics=[] for none)."
         )
-    return [fm.accuracy]
+    return [accuracy]
 
 
 def _func_names(opt_func: Any) -> str:

@@ -22,17 +22,19 @@ import torch
 
 from fitlib.checks import check_flag
 from fitlib.errors import ArgTypeError
-from fitlib.optim import (
+from fitlib.hyper_checks import (
     EXAMPLE_VALUES,
+    check_lr,
+    count_mismatch,
+    is_hyper_number,
+    lr_per_group,
+)
+from fitlib.optim import (
     NAMES,
     HPOptimizer,
     HyperParam,
     HyperParams,
-    check_lr,
-    count_mismatch,
-    is_hyper_number,
     lr_and_momentum,
-    lr_per_group,
 )
 
 Parts = Mapping[str, Any]

@@ -17,6 +17,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Learner
 from fitlib.callbacks import Checkpoint
+from fitlib.dir_lock import LOCK_NAME
 from fitlib.file_errors import (
     DamagedFileError,
     failed_write,
@@ -24,7 +25,6 @@ from fitlib.file_errors import (
     tensor_bytes,
     verify_file,
 )
-from fitlib.resume import LOCK_NAME
 from fitlib.serialization import safe_load
 
 

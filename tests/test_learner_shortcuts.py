@@ -8,7 +8,7 @@ from fastprogress import fastprogress
 from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
-import fitlib.optim
+import fitlib.hyper_checks
 from fitlib import Callback, Learner
 from fitlib.callbacks import SuggestedLRs
 
@@ -147,7 +147,7 @@ def test_with_one_group_the_refusal_names_the_argument_given(tmp_path):
 def spread_spy(monkeypatch):
     """Counts, in every fitlib module that calls it, ``lr_per_group``'s calls:
     the learning rates it spread."""
-    original, spread = fitlib.optim.lr_per_group, []
+    original, spread = fitlib.hyper_checks.lr_per_group, []
 
     def spy(lr, n, name="lr"):
         spread.append(lr)

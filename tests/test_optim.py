@@ -230,13 +230,10 @@ def test_an_empty_parameter_list_and_a_string_opt_func_are_refused():
         HPOptimizer(params().parameters(), "adam", lr=0.1)
 
 
-def test_a_slice_of_learning_rates_needs_several_groups():
-    from fitlib.optim import lr_per_group
-
-    for lr in (slice(1e-4, 1e-2), slice(1e-2)):
-        with pytest.raises(ValueError, match=r"only 1 parameter group.*layer_groups"):
-            lr_per_group(lr, 1)
-    assert lr_per_group(slice(1e-2), 2) == [1e-3, 1e-2]
+def test_a_count_of_values_unlike_the_groups_is_refused_naming_them():
+    opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"got 2 values \[0\.1, 0\.2\] for 1 param"):
+        opt.mom = [0.1, 0.2]
 
 
 def test_the_optimizer_spreads_a_slice_over_its_groups_when_made_and_in_set_lr():
@@ -250,32 +247,6 @@ def test_the_optimizer_spreads_a_slice_over_its_groups_when_made_and_in_set_lr()
     assert opt.lr == 0.5
     with pytest.raises(ValueError, match=r"max_lr must be > 0: .*got -1"):
         opt.set_lr(-1, name="max_lr")
-
-
-def test_a_count_unlike_the_groups_says_value_and_group_in_the_singular():
-    from fitlib.optim import lr_per_group
-
-    with pytest.raises(ValueError) as info:
-        lr_per_group([1e-3], 3)
-    assert "lr: got 1 value [0.001] for 3 parameter groups." in str(info.value)
-    with pytest.raises(ValueError) as info:
-        lr_per_group([1e-3, 1e-2], 1, name="max_lr")
-    message = str(info.value)
-    assert "max_lr: got 2 values [0.001, 0.01] for 1 parameter group." in message
-    assert message.endswith("Fix: pass one number.") and "1 values" not in message
-    opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match=r"got 2 values \[0\.1, 0\.2\] for 1 param"):
-        opt.mom = [0.1, 0.2]
-
-
-@pytest.mark.parametrize(
-    "bad", ["1e-3", None, [], [1e-3, "x"], slice(None, None), iter([1e-3])]
-)
-def test_an_lr_of_the_wrong_type_is_a_type_error_naming_it(bad):
-    from fitlib.optim import check_lr
-
-    with pytest.raises(TypeError, match=r"lr must be > 0: a number, one per "):
-        check_lr(bad)
 
 
 # -- scale: reductions that persist under a schedule -----------------------------

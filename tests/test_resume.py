@@ -1,69 +1,113 @@
-"""``fitlib.resume``: the lock a checkpoint directory takes (``DirLock``)
-refuses a lock path that is a link, a directory, a fifo or a hard link, and
-takes a plain file (issue 29, item 14)."""
+"""``fitlib.resume``: what a resume reads besides the files: callback states
+given back by class, where a fit ended, what identifies a run, and the
+callbacks that change without saving (``StateWatch``). ``Checkpoint``'s use
+of them: ``tests/callbacks/test_checkpoint.py``."""
 
-import os
+import warnings
 
 import pytest
 import torch
-from helpers import make_data
-from torch import nn
-from torch.nn import functional as F  # noqa: N812
 
-from fitlib import Learner
-from fitlib.callbacks import Checkpoint
-from fitlib.resume import LOCK_NAME, DirLock
-
-
-def learner(tmp_path, callbacks=()):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    return Learner(make_data(), model, F.cross_entropy, path=tmp_path,
-                   progress=False, callbacks=list(callbacks))  # fmt: skip
-
-
-# -- the lock (item 14) ------------------------------------------------------------
-def test_a_lock_linked_to_a_file_is_refused_and_the_file_kept(tmp_path):
-    notes = tmp_path / "notes.txt"
-    notes.write_text("a week of notes")
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / LOCK_NAME).symlink_to(notes)
-    with pytest.raises(ValueError, match="symbolic link") as e:
-        learner(tmp_path, [Checkpoint(runs)]).fit(1, lr=0.05)
-    assert str(runs / LOCK_NAME) in str(e.value) and "Fix: remove" in str(e.value)
-    assert notes.read_text() == "a week of notes"
-    assert list(runs.glob("*.pth")) == []  # nothing trained
+from fitlib import Callback, HPOptimizer
+from fitlib.callbacks import Recorder
+from fitlib.resume import (
+    Position,
+    StateWatch,
+    check_callbacks,
+    check_interval,
+    final_position,
+    give_states,
+    run_differences,
+    run_signature,
+)
 
 
-def test_a_dangling_lock_link_is_refused_and_creates_nothing(tmp_path):
-    target = tmp_path / "elsewhere.txt"
-    (tmp_path / LOCK_NAME).symlink_to(target)
-    with pytest.raises(ValueError, match="symbolic link"):
-        DirLock(tmp_path).acquire()
-    assert not target.exists()
+class Counter(Callback):
+    def __init__(self, n=0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
 
 
-@pytest.mark.parametrize("kind", ["directory", "fifo", "hard link"])
-def test_a_lock_path_that_is_not_a_plain_file_is_refused(tmp_path, kind):
-    path = tmp_path / LOCK_NAME
-    other = tmp_path / "notes.txt"
-    if kind == "directory":
-        path.mkdir()
-    elif kind == "fifo":
-        os.mkfifo(path)
-    else:
-        other.write_text("notes")
-        os.link(other, path)
-    with pytest.raises(ValueError, match=f"{kind}.*Fix: remove") as e:
-        DirLock(tmp_path).acquire()
-    assert str(path) in str(e.value)
-    if kind == "hard link":
-        assert other.read_text() == "notes"
+class Plain(Callback):
+    pass
 
 
-def test_a_plain_lock_file_is_still_taken_and_written(tmp_path):
-    lock = DirLock(tmp_path)
-    lock.acquire()
-    assert f"pid: {os.getpid()}" in (tmp_path / LOCK_NAME).read_text()
-    lock.release()
+def test_states_go_to_callbacks_of_their_class_in_order():
+    first, second, plain = Counter(), Counter(), Plain()
+    waiting = give_states([first, plain, second], [["Counter", {"n": 3}],
+                                                   ["Counter", {"n": 5}]])  # fmt: skip
+    assert (first.n, second.n) == (3, 5)
+    assert waiting == [plain]
+
+
+def test_a_stateful_callback_the_run_lacked_is_refused_before_any_loads(tmp_path):
+    first, second = Counter(), Counter()
+    with pytest.raises(ValueError, match=r"no state for callback\(s\) \['Counter'\]"):
+        check_callbacks([first, second], [["Counter", {"n": 3}]], tmp_path / "c.pth")
+    assert (first.n, second.n) == (0, 0)
+    check_callbacks([Counter(), Plain()], [["Counter", {"n": 3}]], tmp_path)
+
+
+def state(**changes):
+    return {"exception": None, "epoch": 1, "num_batch": 3, "iteration": 9,
+            "step": 9, "n_epochs": 4, "max_steps": None, "stop_training": False,
+            "train": True, "skip_step": False, "validate_now": False,
+            **changes}  # fmt: skip
+
+
+def test_final_position_is_resumable_between_steps_finished_at_the_end_or_none():
+    assert final_position(state()) == Position(1, 3, 9, 9)
+    assert final_position(state(epoch=4)) == Position(4, 0, 9, 9, finished=True)
+    assert final_position(state(stop_training=True)).finished
+    assert final_position(state(exception=KeyboardInterrupt())) is None
+    assert final_position(state(train=False)) is None  # inside validation
+    assert final_position(state(validate_now=True)) is None
+
+
+def test_a_run_differs_in_its_lr_and_length_but_not_a_scheduled_hyper():
+    model = torch.nn.Linear(2, 1)
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    saved = run_signature(opt, 3, None, range(8), [])
+    opt.lr = 0.2
+    ours = run_signature(opt, 5, None, range(8), [])
+    assert run_differences(saved, ours, opt, opt.state_dict()["opt"]) == [
+        "lr: the checkpoint's run 0.1, this run 0.2",
+        "epochs: the checkpoint's run 3, this run 5",
+    ]
+
+    class LrSchedule(Callback):
+        sets_hypers = ("lr",)
+
+    scheduled = run_signature(opt, 3, None, range(8), [LrSchedule()])
+    assert scheduled["schedules"] == {"lr": "LrSchedule(order=0)"}
+    assert "lr" not in scheduled["hyper"]  # the schedule's settings say it
+    assert scheduled["batches_per_epoch"] == 8
+
+
+def test_checkpoint_needs_exactly_one_interval():
+    check_interval(1, None)
+    with pytest.raises(ValueError, match=r"exactly one.*got both"):
+        check_interval(1, 500)
+    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1"):
+        check_interval(None, 0)
+
+
+def test_state_watch_warns_once_about_a_users_callback_that_changed():
+    plain, recorder = Plain(), Recorder()
+    watch = StateWatch([plain, recorder, Counter()])
+    plain.seen = 1  # created by a hook: lost only by a resume inside an epoch
+    recorder.losses.append(1.0)  # fitlib's own: not watched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.warn_changed()
+    with pytest.warns(UserWarning, match=r"Plain changed its attributes \['seen'\]"):
+        watch.warn_changed(inside_epoch=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        plain.seen = 2
+        watch.warn_changed(inside_epoch=True)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitlib.resume import remove_temporaries
 from fitlib.serialization import DamagedFileError, atomic_save, safe_load
 
 
@@ -60,24 +59,6 @@ def test_atomic_write_gives_a_text_file_the_mode_of_open(tmp_path):
         os.umask(old)
     assert (tmp_path / "a.csv").read_bytes() == b"a,b\r\n"
     assert stat.S_IMODE((tmp_path / "a.csv").stat().st_mode) == 0o640
-
-
-def test_a_killed_saves_temporary_file_is_one_the_next_run_removes(
-    tmp_path, monkeypatch
-):
-    seen = []
-
-    def killed(obj, f):
-        seen.extend(p.name for p in tmp_path.iterdir())
-        raise KeyboardInterrupt  # stands for the kill: the file stays half written
-
-    monkeypatch.setattr(torch, "save", killed)
-    with pytest.raises(KeyboardInterrupt):
-        atomic_save({"v": torch.ones(1)}, tmp_path / "checkpoint-000001.pth")
-    assert len(seen) == 1 and seen[0].startswith(".checkpoint-000001.pth.")
-    (tmp_path / seen[0]).write_bytes(b"half")  # as a SIGKILL would leave it
-    remove_temporaries(tmp_path)
-    assert list(tmp_path.iterdir()) == []
 
 
 # -- damaged files (issue 29, item 15) ---------------------------------------------

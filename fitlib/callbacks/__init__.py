@@ -17,7 +17,7 @@ from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.early_stopping import EarlyStopping
 from fitlib.callbacks.filters import every, first, once
 from fitlib.callbacks.gan_trainer import GANTrainer
-from fitlib.callbacks.lr_finder import LRFinder, SuggestedLRs
+from fitlib.callbacks.lr_finder import LRFinder
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.mlflow_logger import MLflowLogger
 from fitlib.callbacks.one_cycle import OneCycleScheduler
@@ -37,6 +37,7 @@ from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 from fitlib.callbacks.text_logger import TextLogger
 from fitlib.callbacks.train_stats import TrainStats
 from fitlib.callbacks.validation import ValidationSchedule
+from fitlib.lr_suggestions import SuggestedLRs
 
 __all__ = [
     "CSVLogger",

@@ -112,31 +112,33 @@ from typing import Any
 
 import fitlib.ranks as ranks
 from fitlib.callback import Callback
-from fitlib.checks import check_flag, check_int, check_path, len_or_none
-from fitlib.metrics.functions import load_class_dims, saved_class_dims
-from fitlib.monitor import Monitor
-from fitlib.resume import (
+from fitlib.checkpoint_files import (
     CHECKPOINT_NAME,
     CheckpointFileError,
-    DirLock,
-    Position,
-    Resumed,
-    StateWatch,
-    check_callbacks,
-    check_interval,
     check_writable,
     checkpoint_files,
-    final_position,
-    give_states,
     listing,
     not_a_file,
     numbered,
     read_checkpoint,
     remove_temporaries,
     resume_path,
+    why_unloadable,
+)
+from fitlib.checks import check_flag, check_int, check_path, len_or_none
+from fitlib.dir_lock import DirLock
+from fitlib.metrics.functions import load_class_dims, saved_class_dims
+from fitlib.monitor import Monitor
+from fitlib.resume import (
+    Position,
+    Resumed,
+    StateWatch,
+    check_callbacks,
+    check_interval,
+    final_position,
+    give_states,
     run_differences,
     run_signature,
-    why_unloadable,
 )
 from fitlib.rng import get_rng_state, set_rng_state
 from fitlib.serialization import (

@@ -29,7 +29,7 @@ import torch
 from fitlib.callback import Callback
 from fitlib.checks import check_int, check_number
 from fitlib.data import model_device
-from fitlib.optim import unscale_all
+from fitlib.grad_scaling import unscale_all
 from fitlib.sharding import is_sharded, torch_optimizers
 
 _DTYPES = {

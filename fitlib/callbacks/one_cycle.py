@@ -17,7 +17,7 @@ from typing import Any
 from fitlib.callbacks.schedule import ParamScheduler, cosine
 from fitlib.checks import check_number
 from fitlib.errors import is_number
-from fitlib.optim import LR, check_lr
+from fitlib.hyper_checks import LR, check_lr
 
 
 class OneCycleScheduler(ParamScheduler):

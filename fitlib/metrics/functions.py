@@ -331,7 +331,9 @@ def error_rate(
 
 
 def mse(out: Tensor, y: Tensor) -> Tensor:
-    """Mean squared error; an (N, 1) output is compared with (N,) targets.
+    """Mean squared error, as a metric; an (N, 1) output is compared with (N,) targets
+    (as a loss, ``F.mse_loss`` would broadcast that pair to (N, N), which
+    fitlib refuses: give a regression (N, 1) targets, ``y.reshape(-1, 1)``).
 
     Examples:
         >>> mse(torch.tensor([[1.0], [3.0]]), torch.tensor([1.0, 1.0]))
@@ -342,7 +344,9 @@ def mse(out: Tensor, y: Tensor) -> Tensor:
 
 
 def mae(out: Tensor, y: Tensor) -> Tensor:
-    """Mean absolute error; an (N, 1) output is compared with (N,) targets.
+    """Mean absolute error, as a metric; an (N, 1) output is compared with (N,) targets
+    (as a loss, ``F.mse_loss`` would broadcast that pair to (N, N), which
+    fitlib refuses: give a regression (N, 1) targets, ``y.reshape(-1, 1)``).
 
     Examples:
         >>> mae(torch.tensor([[1.0], [3.0]]), torch.tensor([1.0, 1.0]))

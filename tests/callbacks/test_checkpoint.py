@@ -5,7 +5,6 @@ import stat
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -432,20 +431,6 @@ def test_a_second_run_in_the_same_process_is_refused_and_deletes_nothing(tmp_pat
     assert "another dirpath" in errors[0]
     assert half.exists()
     learner([Checkpoint(tmp_path, resume=False)]).fit(1, lr=0.05)  # free again
-
-
-def test_without_fcntl_a_warning_says_the_directory_is_not_locked(
-    tmp_path, monkeypatch
-):
-    from fitlib import resume
-
-    monkeypatch.setattr(resume, "fcntl", None)
-    monkeypatch.setattr(resume, "_warned_unlocked", False)
-    with pytest.warns(RuntimeWarning, match="cannot lock"):
-        learner([Checkpoint(tmp_path)]).fit(1, lr=0.05)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
-        learner([Checkpoint(tmp_path, resume=False)]).fit(1, lr=0.05)
 
 
 # -- a checkpoint of another run ---------------------------------------------------

@@ -178,9 +178,11 @@ def test_a_backend_that_cannot_compile_says_how_to_fall_back():
     # torch's own patch: monkeypatch would delete the setting on undo, and
     # every later compilation in this process would fail ("cpp.cxx does not
     # exist").
-    with inductor.patch({"cpp.cxx": ("/nonexistent/g++",)}):
-        with pytest.raises(RuntimeError, match="backend='aot_eager'") as caught:
-            learn.fit(1, lr=0.1)
+    with (
+        inductor.patch({"cpp.cxx": ("/nonexistent/g++",)}),
+        pytest.raises(RuntimeError, match="backend='aot_eager'") as caught,
+    ):
+        learn.fit(1, lr=0.1)
     assert "C++ compiler" in str(caught.value)
     assert learn.recorder.losses == []  # before any step
 

@@ -1,5 +1,4 @@
 import re
-import time
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -14,36 +13,6 @@ from fitlib.callbacks import progress
 from fitlib.callbacks.progress import ProgressBar
 from fitlib.callbacks.recorder import Recorder
 from fitlib.metrics import Metrics, accuracy
-
-CONSOLE_BAR = fastprogress.ConsoleProgressBar
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """A frozen time.perf_counter; advance it with clock.now += seconds."""
-    fake = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(time, "perf_counter", lambda: fake.now)
-    return fake
-
-
-@pytest.fixture
-def bar_calls(monkeypatch):
-    """Records fastprogress's update/on_iter_end/on_interrupt calls on bars."""
-    calls = []
-    for name in ("update", "on_iter_end", "on_interrupt"):
-        owner = fastprogress.ProgressBar if name == "update" else CONSOLE_BAR
-        original = getattr(owner, name)
-
-        def spy(self, *args, _name=name, _original=original):
-            calls.append((_name, self, *args))
-            return _original(self, *args)
-
-        monkeypatch.setattr(owner, name, spy)
-    return calls
-
-
-def closed(calls, bar):
-    return any(c[0] in ("on_iter_end", "on_interrupt") and c[1] is bar for c in calls)
 
 
 # -- the table -------------------------------------------------------------------
@@ -192,8 +161,8 @@ def test_train_and_valid_loaders_get_their_own_bar_that_ends_full(bar_calls):
     assert sorted(b.total for b in children) == [3, 7]
     for child in children:
         last = [c[2] for c in bar_calls if c[0] == "update" and c[1] is child][-1]
-        assert last == child.total and closed(bar_calls, child)
-    assert closed(bar_calls, bar.mb.main_bar)
+        assert last == child.total and bar_calls.closed(child)
+    assert bar_calls.closed(bar.mb.main_bar)
 
 
 class Boom(Callback):
@@ -228,8 +197,8 @@ def test_stopping_early_closes_the_short_bar_and_the_master_bar(bar_calls):
     bar = ProgressBar(bars=True)
     train([StopAfter(), bar], epochs=3, metrics=[accuracy])
     train_bar = next(c[1] for c in bar_calls if getattr(c[1], "total", 0) == 7)
-    assert closed(bar_calls, train_bar)
-    assert closed(bar_calls, bar.mb.main_bar)
+    assert bar_calls.closed(train_bar)
+    assert bar_calls.closed(bar.mb.main_bar)
     assert len(bar.rows) == 2  # the epoch that stopped still has its row
 
 
@@ -253,7 +222,7 @@ def test_a_loader_without_length_gets_its_total_at_the_end(bar_calls):
         metrics=[accuracy],
     )
     child = next(c[1] for c in bar_calls if c[0] == "update" and c[2] == 7)
-    assert child.total == 7 and closed(bar_calls, child)
+    assert child.total == 7 and bar_calls.closed(child)
 
 
 def test_refresh_must_be_a_non_negative_number():

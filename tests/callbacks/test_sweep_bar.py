@@ -1,9 +1,6 @@
 """SweepBar: the one bar LRFinder's sweep draws (no table), its loss read only
 when redrawn."""
 
-import time
-from types import SimpleNamespace
-
 import pytest
 import torch
 from fastprogress import fastprogress
@@ -12,36 +9,6 @@ from helpers import train
 from fitlib.callback import call_hook
 from fitlib.callbacks.lr_finder import LRFinder
 from fitlib.callbacks.sweep_bar import SweepBar
-
-CONSOLE_BAR = fastprogress.ConsoleProgressBar
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """A frozen time.perf_counter; advance it with clock.now += seconds."""
-    fake = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(time, "perf_counter", lambda: fake.now)
-    return fake
-
-
-@pytest.fixture
-def bar_calls(monkeypatch):
-    """Records fastprogress's update/on_iter_end/on_interrupt calls on bars."""
-    calls = []
-    for name in ("update", "on_iter_end", "on_interrupt"):
-        owner = fastprogress.ProgressBar if name == "update" else CONSOLE_BAR
-        original = getattr(owner, name)
-
-        def spy(self, *args, _name=name, _original=original):
-            calls.append((_name, self, *args))
-            return _original(self, *args)
-
-        monkeypatch.setattr(owner, name, spy)
-    return calls
-
-
-def closed(calls, bar):
-    return any(c[0] in ("on_iter_end", "on_interrupt") and c[1] is bar for c in calls)
 
 
 @pytest.mark.filterwarnings("ignore:lr_find:UserWarning")  # a toy sweep
@@ -55,7 +22,7 @@ def test_the_sweep_bar_draws_one_bar_over_the_sweeps_steps_and_no_table(
     (drawn,) = {c[1] for c in bar_calls}  # one bar: no master bar, none per epoch
     updates = [c[2] for c in bar_calls if c[0] == "update"]
     assert drawn.total == 20 and updates[0] == 0 and updates[-1] == 20
-    assert closed(bar_calls, drawn) and bar.pb is None
+    assert bar_calls.closed(drawn) and bar.pb is None
     out = capsys.readouterr().out
     assert "[20/20" in out and f"smooth loss {finder.losses[-1]:.4f}" in out
     assert "Epoch" not in out and "epoch" not in out and "#na#" not in out
@@ -94,7 +61,7 @@ def test_the_sweep_bar_reads_the_loss_only_when_redrawn_and_closes_at_a_stop(
     assert len(reads) == 2 and bar_calls[-1][:3] == ("update", pb, 30)
     sweep_bar_batch(bar, 31, 9.0, stop_training=True)  # the finder saw a divergence
     assert len(reads) == 3 and pb.comment == "smooth loss 9.0000"
-    assert ("update", pb, 31) in [c[:3] for c in bar_calls] and closed(bar_calls, pb)
+    assert ("update", pb, 31) in [c[:3] for c in bar_calls] and bar_calls.closed(pb)
     assert bar.pb is None
     call_hook(bar, "on_train_end")  # nothing left to close
     assert len(reads) == 3

@@ -3,15 +3,22 @@ names it imports exist, and every link it makes reaches a file of the
 repository (so the "Find your answer" list works on GitHub, without a built
 site)."""
 
+import doctest
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib
+import pytest
+from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 # [text](target): the text may hold backticks and line breaks, not brackets.
+# How the quick start's output is compared with the README's (as in the docs).
+FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -39,6 +46,26 @@ def test_readme_quick_start_runs_and_learns(tmp_path, monkeypatch):
     assert len(learn.recorder.train_losses) == 3
 
 
+def test_the_quick_start_prints_what_the_readme_shows_in_a_fresh_process(tmp_path):
+    # As a script, in a fresh process: the once-per-process notes on the
+    # defaults come first. The epochs' times vary: they are not compared.
+    section = README.read_text().split("## Quick start", 1)[1]
+    shown = re.search(r"```python\n.*?```.*?```text\n(.*?)```", section, re.S)[1]
+    done = subprocess.run(
+        [sys.executable, "-c", quick_start_code()],
+        cwd=tmp_path,
+        env=child_env(MPLBACKEND="Agg", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    times = re.compile(r"\d\d:\d\d$", re.M)
+    checker = doctest.OutputChecker()
+    got = times.sub("00:00", done.stdout + done.stderr)
+    assert checker.check_output(times.sub("00:00", shown), got, FLAGS), got
+
+
 def test_every_fitlib_name_the_readme_imports_exists():
     text = README.read_text()
     imports = re.findall(r"^from (fitlib[\w.]*) import ([\w, ]+)$", text, re.M)
@@ -55,6 +82,41 @@ def test_every_relative_link_of_the_readme_reaches_a_file():
     assert len(links) > 40, links  # the course table and the answers list
     missing = [t for t in links if not (ROOT / t).is_file()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+# A fenced code block: its text is code, not links.
+FENCED = re.compile(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", re.S | re.M)
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def broken_links(page: Path, text: str | None = None) -> list[str]:
+    """The relative links of a Markdown page that reach no file of the
+    repository, read from where the page lies (as GitHub reads them)."""
+    text = FENCED.sub("", page.read_text() if text is None else text)
+    external = ("http://", "https://", "mailto:", "#")
+    targets = [t for t in LINK.findall(text) if not t.startswith(external)]
+    return [t for t in targets if not (page.parent / t.partition("#")[0]).is_file()]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_of_the_readme_and_docs_reaches_a_file(page):
+    # The docs read on GitHub too: a page links the notebook
+    # (notebooks/NN_*.ipynb) and ARCHITECTURE.md, not the pages the site
+    # makes of them (docs/hooks.py rewrites those links for the site).
+    assert not broken_links(page), f"links to no file: {broken_links(page)}"
+
+
+def test_a_link_to_a_page_only_the_site_has_is_broken():
+    page = ROOT / "docs/how-to/resume-a-crashed-run.md"
+    text = (
+        "[a](../../notebooks/01_quickstart.ipynb) [b](../index.md#x) "
+        "[c](../tutorials/01_quickstart.ipynb) [d](../explanation/architecture.md)"
+        "\n```python\nx = [e](../nowhere.md)\n```\n"
+    )
+    assert broken_links(page, text) == [
+        "../tutorials/01_quickstart.ipynb",
+        "../explanation/architecture.md",
+    ]
 
 
 def test_the_link_pattern_reads_a_link_over_two_lines():

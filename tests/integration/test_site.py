@@ -4,15 +4,19 @@ and reference pages match the code."""
 
 from __future__ import annotations
 
+import fcntl
 import html
+import importlib
 import importlib.util
 import inspect
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fitlib
 import fitlib.callbacks
@@ -29,18 +33,26 @@ def load_hooks():
     return module
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Path:
-    """``make docs``'s build, into a temporary folder."""
-    out = tmp_path_factory.mktemp("site")
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stderr}"
+    """``make docs``'s build, into a temporary folder: built once per test
+    run, whichever pytest-xdist workers ask for it (the first builds under a
+    lock, the others wait for it and read its result)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's: the run's is above
+        shared = shared.parent
+    out, result = shared / "site", shared / "site.result"
+    with open(shared / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            done = subprocess.run(
+                [sys.executable, "-m", "mkdocs", "build", "--strict",
+                 "--site-dir", str(out)],
+                cwd=ROOT, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            result.write_text(f"{done.returncode}\n{done.stderr}")
+    code, _, stderr = result.read_text().partition("\n")
+    assert code == "0", f"mkdocs build --strict failed:\n{stderr}"
     return out
 
 
@@ -143,3 +155,87 @@ def test_the_generated_tables_follow_the_code_and_a_lost_marker_fails_the_build(
         hooks.on_page_markdown(
             text.replace("<!-- generated: writable -->", ""), Page, None, None
         )
+
+
+def test_the_hook_points_links_to_repository_files_at_the_site_s_pages():
+    hooks = load_hooks()
+    text = (
+        "[03](../../notebooks/03_writing_callbacks.ipynb) "
+        "[rules](../../ARCHITECTURE.md#speed-rules) [why](../explanation/errors.md)\n"
+        "Source: [`fitlib/learner.py`](../../fitlib/learner.py) [x](../nowhere.md)\n"
+        "```python\n[a](../../notebooks/08_text.ipynb)\n```\n"
+    )
+    assert hooks.site_links(text, "how-to/write-a-callback.md") == (
+        "[03](../tutorials/03_writing_callbacks.ipynb) "
+        "[rules](../explanation/architecture.md#speed-rules) "
+        "[why](../explanation/errors.md)\n"
+        "Source: `fitlib/learner.py` [x](../nowhere.md)\n"
+        "```python\n[a](../../notebooks/08_text.ipynb)\n```\n"
+    )
+    assert hooks.site_links(
+        "[01](../../notebooks/01_quickstart.ipynb)", "tutorials/index.md"
+    ) == ("[01](01_quickstart.ipynb)")
+
+
+def page_sources(page: Path) -> list[str]:
+    """The files that define what a reference page's ``:::`` lines render."""
+    files = []
+    for name in re.findall(r"^::: (\S+)", page.read_text(), re.M):
+        module, _, attribute = name.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError, ValueError):
+            found = importlib.import_module(name)
+        source = Path(inspect.getsourcefile(found)).relative_to(ROOT).as_posix()
+        files += [source] if source not in files else []
+    return files
+
+
+REFERENCE = sorted((ROOT / "docs/reference").rglob("*.md"))
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in REFERENCE if p != ROOT / "docs/reference/index.md"],
+    ids=lambda p: p.relative_to(ROOT / "docs/reference").as_posix(),
+)
+def test_each_reference_page_names_its_source_files_and_the_examples_context(page):
+    # On GitHub a reference page is its ::: lines: its Source line leads to
+    # the code whose docstrings the site renders there.
+    (line,) = re.findall(r"^Source: .*$", page.read_text(), re.M)
+    linked = re.findall(r"\[`([^`]+)`\]\(([^)]+)\)", line.split(":", 1)[1])
+    for shown, target in linked:
+        assert (page.parent / target).resolve() == ROOT / shown, (shown, target)
+    expected = page_sources(page)
+    if page.name == "state.md":  # its tables come from fitlib/callback.py
+        expected = ["fitlib/callback.py", *expected]
+    assert [shown for shown, _ in linked] == expected
+    index = Path(os.path.relpath(ROOT / "docs/reference/index.md", page.parent))
+    assert f"]({index.as_posix()}#about-the-examples)" in line
+
+
+def test_the_reference_index_states_the_examples_shared_context():
+    # docs/reference/index.md, "About the examples", lists the names the
+    # docstring examples' context holds, as test_docstring_examples.py does.
+    def bullets(text: str) -> list[str]:
+        return [
+            " ".join(b.split())
+            for b in re.findall(r"^- (.*?)(?=^- |^$)", text, re.M | re.S)
+        ]
+
+    spec = importlib.util.spec_from_file_location(
+        "docstring_examples", ROOT / "tests/integration/test_docstring_examples.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    doc = module.__doc__.replace("``", "`")
+    index = (ROOT / "docs/reference/index.md").read_text()
+    section = index.split("## About the examples", 1)[1]
+    assert bullets(section) == bullets(doc)
+    context = set(module.shared_context()) - {"__name__"}
+    page = {}
+    exec(re.search(r"```python\n(.*?)```", section, re.S)[1], page)
+    assert context <= set(page)
+    assert torch.equal(
+        page["model"][0].weight, module.shared_context()["model"][0].weight
+    )
