@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test lint notebooks docs docs-screenshots bench gpu-check clean
+.PHONY: demo test lint notebooks docs docs-serve docs-screenshots bench gpu-check clean
 
 $(VENV)/.base: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ notebooks: $(VENV)/.dev
 # tests/integration/test_site.py runs the same build.
 docs: $(VENV)/.dev
 	$(PY) -m mkdocs build --strict --site-dir site
+
+# Serves the site at http://127.0.0.1:8000 and rebuilds it when a page, a
+# notebook or fitlib's code changes (Ctrl-C stops it).
+docs-serve: $(VENV)/.dev
+	$(PY) -m mkdocs serve -a 127.0.0.1:8000
 
 # Builds the site and saves screenshots of some pages to look at (docs/screenshots.py).
 docs-screenshots: $(VENV)/.dev

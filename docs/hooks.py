@@ -4,7 +4,8 @@
   ``tutorials/<stem>.ipynb`` (mkdocs-jupyter renders them with their stored
   outputs) and ``ARCHITECTURE.md``, which stays at the repository's root, as
   the page ``explanation/architecture.md``;
-- ``on_page_markdown`` replaces the markers of ``reference/state.md`` with
+- ``on_page_markdown`` rewrites each page's links to the site's pages (see
+  ``site_links``) and replaces the markers of ``reference/state.md`` with
   tables generated from the code that defines them: ``STATE_KEYS``,
   ``WRITABLE`` (``fitlib.callback``) and the callbacks' ``order``
   (``fitlib.callbacks.order_table``), so the tables cannot drift;
@@ -20,14 +21,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import griffe
 from mkdocs.exceptions import PluginError
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
+from mkdocs.utils import get_relative_url
 from mkdocs_jupyter.plugin import NotebookFile
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 NOTEBOOKS = ROOT / "notebooks"
 ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 ARCHITECTURE_PAGE = "explanation/architecture.md"
@@ -57,6 +61,56 @@ class ExampleSections(griffe.Extension):
 def notebook_pages() -> dict[str, Path]:
     """The tutorial pages, ``tutorials/<stem>.ipynb``, and their notebooks."""
     return {f"tutorials/{nb.name}": nb for nb in sorted(NOTEBOOKS.glob("*.ipynb"))}
+
+
+# A Markdown link, [text](target), and a fenced code block (left as it is).
+LINK = re.compile(r"\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)\)")
+FENCED = re.compile(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", re.S | re.M)
+
+
+def site_link(match: re.Match, source: Path, uri: str) -> str:
+    """One link of the page ``uri`` (written in ``source``), for the site."""
+    target = match["target"]
+    parts = urlsplit(target)
+    if parts.scheme or parts.netloc or target.startswith(("/", "#")):
+        return match[0]
+    path, hash_, fragment = target.partition("#")
+    real = (source.parent / unquote(path)).resolve()
+    if real.parent == NOTEBOOKS and real.suffix == ".ipynb":
+        page = f"tutorials/{real.name}"
+    elif real == ARCHITECTURE:
+        page = ARCHITECTURE_PAGE
+    elif DOCS in real.parents and DOCS not in source.parents:
+        page = real.relative_to(DOCS).as_posix()  # from ARCHITECTURE.md
+    elif real.is_file() and ROOT in real.parents and DOCS not in real.parents:
+        return match["text"]  # a source file: the site has no page for it
+    else:
+        return match[0]  # mkdocs checks it (and fails on a broken one)
+    return f"[{match['text']}]({get_relative_url(page, uri)}{hash_}{fragment})"
+
+
+def site_links(markdown: str, uri: str) -> str:
+    """A page's links as the site needs them.
+
+    The Markdown under docs/ links the files of the repository, so that it
+    reads on GitHub: a notebook as ``notebooks/<stem>.ipynb``, the contract
+    as ``ARCHITECTURE.md``. The site shows them as the pages
+    ``tutorials/<stem>.ipynb`` and ``explanation/architecture.md``, so such a
+    link becomes one to that page, relative to ``uri``. A link to another
+    file of the repository outside docs/ (a reference page's source file)
+    becomes its text: the site has no page for it. Code blocks are left as
+    they are; every other link is, too, for mkdocs to check.
+    """
+    source = ARCHITECTURE if uri == ARCHITECTURE_PAGE else DOCS / uri
+
+    def links(text: str) -> str:
+        return LINK.sub(lambda m: site_link(m, source, uri), text)
+
+    out, end = [], 0
+    for block in FENCED.finditer(markdown):
+        out += [links(markdown[end : block.start()]), block[0]]
+        end = block.end()
+    return "".join([*out, links(markdown[end:])])
 
 
 def cell(text: str) -> str:
@@ -140,6 +194,7 @@ def on_files(files: Files, config) -> Files:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = site_links(markdown, page.file.src_uri)
     if page.file.src_uri != STATE_PAGE:
         return markdown
     for marker, table in TABLES.items():
