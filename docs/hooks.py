@@ -10,11 +10,6 @@
   ``WRITABLE`` (``fitlib.callback``) and the callbacks' ``order``
   (``fitlib.callbacks.order_table``), so the tables cannot drift;
 - ``on_serve`` makes ``mkdocs serve`` rebuild when those sources change.
-
-``ExampleSections`` is a griffe extension (mkdocs.yml, mkdocstrings'
-``extensions``): griffe reads a Google-style ``Examples:`` section as code,
-but ``Example:``, which most fitlib docstrings use, as a note whose ``>>>``
-lines render as nested quotes; it reads the one as the other.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import griffe
 from mkdocs.exceptions import PluginError
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
@@ -46,16 +40,6 @@ class TutorialFile(NotebookFile):
     @property
     def abs_src_path(self) -> str | None:
         return self.file.abs_src_path
-
-
-class ExampleSections(griffe.Extension):
-    """Reads a docstring's ``Example:`` section as ``Examples:`` (code)."""
-
-    SINGULAR = re.compile(r"^(\s*)Example:[ \t]*$", re.M)
-
-    def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
-        if obj.docstring is not None:
-            obj.docstring.value = self.SINGULAR.sub(r"\1Examples:", obj.docstring.value)
 
 
 def notebook_pages() -> dict[str, Path]:

@@ -239,3 +239,15 @@ def test_the_reference_index_states_the_examples_shared_context():
     assert torch.equal(
         page["model"][0].weight, module.shared_context()["model"][0].weight
     )
+
+
+def test_docstrings_head_their_examples_examples_not_example():
+    """griffe reads a Google-style ``Examples:`` section as code, but
+    ``Example:`` as a note whose ``>>>`` lines the site shows as quotes."""
+    singular = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "fitlib").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if line.strip() == "Example:"
+    ]
+    assert singular == []
