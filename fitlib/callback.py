@@ -354,8 +354,13 @@ def initial_state() -> dict[str, Any]:
 def bound_hook(cb: Callback, event: str) -> Hook:
     """``cb``'s hook for ``event`` as a function of the state dict: it passes
     the keys the hook names (all of them to ``**kwargs``)."""
-    extra = ("exception",) if event == "on_train_end" else ()
-    return hook_caller(getattr(cb, event), f"{cb.name}.{event}", (*STATE_KEYS, *extra))
+    return hook_caller(getattr(cb, event), f"{cb.name}.{event}", hook_keys(event))
+
+
+def hook_keys(event: str) -> tuple[str, ...]:
+    """The keys a hook of ``event`` may receive: the state keys, and
+    ``exception`` for ``on_train_end``."""
+    return (*STATE_KEYS, *(("exception",) if event == "on_train_end" else ()))
 
 
 def inner_callback(cb: Callback) -> Callback:

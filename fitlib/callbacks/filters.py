@@ -36,7 +36,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from fitlib.callback import EVENTS, STATE_KEYS, Callback, overrides
+from fitlib.callback import EVENTS, Callback, hook_keys, overrides
 from fitlib.checks import check_int
 from fitlib.dispatch import hook_caller
 
@@ -301,15 +301,11 @@ def _hook(event: str, hook: Callable | None, counter: Callable) -> Callable:
     return forward
 
 
-def _valid(event: str) -> tuple[str, ...]:
-    return (*STATE_KEYS, *(("exception",) if event == "on_train_end" else ()))
-
-
 def _call(event: str, hook: Callable) -> Callable[[dict], Any]:
     # Built now, so a hook with parameters no key matches fails at wrap time.
     owner = getattr(hook, "__self__", None)
     where = f"{getattr(owner, 'name', type(owner).__name__)}.{event}"
-    return hook_caller(hook, where, _valid(event))
+    return hook_caller(hook, where, hook_keys(event))
 
 
 def _keys(hook: Callable, event: str, skip: tuple) -> tuple[str, ...]:
@@ -319,9 +315,9 @@ def _keys(hook: Callable, event: str, skip: tuple) -> tuple[str, ...]:
     except (TypeError, ValueError):  # no signature: hook_caller passes all
         params = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        names = _valid(event)
+        names = hook_keys(event)
     else:
-        names = tuple(p.name for p in params if p.name in _valid(event))
+        names = tuple(p.name for p in params if p.name in hook_keys(event))
     return tuple(k for k in names if k not in skip)
 
 
