@@ -147,6 +147,14 @@ STATE_KEYS: dict[str, str] = {
         "set in ``on_train_begin`` or ``on_epoch_begin``, before the next epoch "
         "starts"
     ),
+    "stop_reason": (
+        "why training stops, a str, set with ``stop_training`` (e.g. "
+        "``{'stop_training': True, 'stop_reason': 'valid_loss reached 0.1'}``); "
+        "a callback that sets ``stop_training`` without one gets "
+        "``'<callback> stopped training'``, ``max_steps`` gives "
+        "``'max_steps=<n> reached'``. None while training goes on; the fit's "
+        "``History.stop_reason`` holds the last one"
+    ),
     "skip_bwd": "set True in ``on_backward_begin`` to skip ``backward()``",
     "skip_step": "set True by ``on_backward_end`` to skip ``opt.step()``",
     "skip_zero": "set True by ``on_step_end`` to keep the gradients",
@@ -198,6 +206,7 @@ WRITABLE: dict[str, tuple[str, ...]] = {
     "record": ("on_epoch_end",),  # values added to the epoch's record
     "stop_epoch": BATCH_EVENTS,
     "stop_training": _FIT_EVENTS,
+    "stop_reason": _FIT_EVENTS,
     "skip_bwd": EVENTS[2:5],  # up to on_backward_begin
     "skip_step": EVENTS[2:6],  # up to on_backward_end
     "skip_zero": EVENTS[2:7],  # up to on_step_end

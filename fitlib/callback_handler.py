@@ -29,6 +29,7 @@ from fitlib.callback import (
 from fitlib.checks import check_trainable
 from fitlib.dispatch import receives
 from fitlib.errors import add_note, and_others, did_you_mean, unknown_name
+from fitlib.history import History
 from fitlib.metrics.collection import Metrics
 from fitlib.metrics.functions import class_dims_of, swap_class_dims
 from fitlib.multi_optimizer import as_optimizer
@@ -356,6 +357,8 @@ class CallbackHandler:
         if "record" in update:  # added to the record, not replacing it
             update = dict(update)
             self._add_to_record(cb, update.pop("record"))
+        if "stop_training" in update or "stop_reason" in update:
+            update = _with_reason(cb, event, update, self.state["stop_reason"])
         self.state.update(update)
         # skip_validate set during the batches: no validation at all (a NaN
         # loss), not even one asked for before it.
@@ -420,7 +423,7 @@ class CallbackHandler:
         self._not_given = [k for k in given if self.state[k] is None]
         # What validation runs: the model as given, not a wrapper of it (DDP).
         self.eval_model = self.state["model"]
-        self.state.update(stop_training=False, n_steps=max_steps)
+        self.state.update(stop_training=False, stop_reason=None, n_steps=max_steps)
         self.state.update(validate_now=False, mid_epoch=False)
         self._record_step = any(
             getattr(cb, "validates_mid_epoch", False) for cb in self.callbacks
@@ -538,6 +541,9 @@ class CallbackHandler:
             budget = state["max_steps"]
             if budget is not None and state["step"] >= budget:
                 state["stop_training"] = True
+                state["stop_reason"] = (
+                    state["stop_reason"] or f"max_steps={budget} reached"
+                )
         state["num_batch"] += 1
         if self.interrupted:
             raise KeyboardInterrupt("training stopped after the batch in progress")
@@ -603,6 +609,8 @@ class CallbackHandler:
         """
         self._graph = None  # the last step's (see on_batch_end)
         swap_class_dims(self._outer_class_dims)
+        if isinstance(self.history, History):
+            self.history.stop_reason = self.state.get("stop_reason")
         failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:
@@ -647,3 +655,21 @@ class CallbackHandler:
         finally:
             if own:
                 signal.signal(signal.SIGINT, previous)
+
+
+def _with_reason(cb: Callback, event: str, update: dict, reason: str | None) -> dict:
+    """``update`` with its ``stop_reason`` checked, or the callback's name as
+    the reason of a ``stop_training`` that gives none (the first reason
+    stands: a later stop of the same batch does not replace it)."""
+    given = update.get("stop_reason")
+    if given is not None and not isinstance(given, str):
+        raise TypeError(
+            f"{cb.name}.{event} returned stop_reason={given!r} "
+            f"({type(given).__name__}); it is a str saying why training stops. "
+            "Fix: e.g. {'stop_training': True, 'stop_reason': 'loss below 0.1'}."
+        )
+    if update.get("stop_training"):
+        given = reason or given or f"{cb.name} stopped training"
+    elif reason is not None:
+        given = reason
+    return update if given is None else {**update, "stop_reason": given}

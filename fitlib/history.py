@@ -46,6 +46,11 @@ class History(list):
          <Axes: xlabel='epoch', ylabel='accuracy'>]
     """
 
+    # Why the fit stopped before its epochs ran out (``EarlyStopping``'s
+    # rule, a time limit, ``max_steps``), the state's last ``stop_reason``;
+    # None when every epoch ran.
+    stop_reason: str | None = None
+
     def __getitem__(self, index: Any) -> Any:
         """One record, or a ``History`` of a slice of them."""
         got = super().__getitem__(index)

@@ -754,3 +754,36 @@ def test_a_hook_failing_on_a_key_on_train_begin_lacked_names_it(make, given, mis
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert f"on_train_begin got no {missing}" in notes
     assert "handler.on_train_begin(n_epochs, model=model, opt=opt, data=" in notes
+
+
+def test_the_fit_says_why_it_stopped():
+    class Enough(Callback):
+        def on_epoch_end(self, epoch):
+            if epoch == 1:
+                return {"stop_training": True, "stop_reason": "good enough"}
+
+    class Later(Callback):  # stops too, after: the first reason stands
+        order = 5
+
+        def on_epoch_end(self, epoch):
+            if epoch == 1:
+                return {"stop_training": True}
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    history = fit(5, model, F.cross_entropy, opt, make_data(), [Enough(), Later()])
+    assert len(history) == 2 and history.stop_reason == "good enough"
+    history = fit(5, model, F.cross_entropy, opt, make_data(), [Later()])
+    assert history.stop_reason == "Later stopped training"
+    history = fit(None, model, F.cross_entropy, opt, make_data(), max_steps=3)
+    assert history.stop_reason == "max_steps=3 reached"
+    assert fit(1, model, F.cross_entropy, opt, make_data()).stop_reason is None
+
+
+def test_a_stop_reason_that_is_not_a_str_is_refused():
+    class Bad(Callback):
+        def on_epoch_end(self):
+            return {"stop_training": True, "stop_reason": 3}
+
+    with pytest.raises(TypeError, match="Bad.on_epoch_end returned stop_reason=3"):
+        train([Bad()])
