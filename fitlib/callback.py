@@ -155,6 +155,16 @@ STATE_KEYS: dict[str, str] = {
         "``'max_steps=<n> reached'``. None while training goes on; the fit's "
         "``History.stop_reason`` holds the last one"
     ),
+    "suspend": (
+        "set True (with a ``stop_reason``) to end the fit before its end, to be "
+        "resumed later (a time limit): after this training batch, or, if it is "
+        "inside a gradient group (``skip_step``) or asked for a validation "
+        "(``validate_now``), after the first batch that is neither; no "
+        "validation and no record for the partial epoch. Set at "
+        "``on_epoch_end`` (or in validation), before the next epoch. A "
+        "``Checkpoint`` then writes a checkpoint to resume from, not one marked "
+        "finished, so the next run goes on from there exactly"
+    ),
     "skip_bwd": "set True in ``on_backward_begin`` to skip ``backward()``",
     "skip_step": "set True by ``on_backward_end`` to skip ``opt.step()``",
     "skip_zero": "set True by ``on_step_end`` to keep the gradients",
@@ -207,6 +217,7 @@ WRITABLE: dict[str, tuple[str, ...]] = {
     "stop_epoch": BATCH_EVENTS,
     "stop_training": _FIT_EVENTS,
     "stop_reason": _FIT_EVENTS,
+    "suspend": ("on_epoch_begin", *BATCH_EVENTS, "on_epoch_end"),
     "skip_bwd": EVENTS[2:5],  # up to on_backward_begin
     "skip_step": EVENTS[2:6],  # up to on_backward_end
     "skip_zero": EVENTS[2:7],  # up to on_step_end

@@ -423,7 +423,8 @@ class CallbackHandler:
         self._not_given = [k for k in given if self.state[k] is None]
         # What validation runs: the model as given, not a wrapper of it (DDP).
         self.eval_model = self.state["model"]
-        self.state.update(stop_training=False, stop_reason=None, n_steps=max_steps)
+        self.state.update(stop_training=False, stop_reason=None, suspend=False)
+        self.state["n_steps"] = max_steps
         self.state.update(validate_now=False, mid_epoch=False)
         self._record_step = any(
             getattr(cb, "validates_mid_epoch", False) for cb in self.callbacks
@@ -454,11 +455,11 @@ class CallbackHandler:
         # hook sets here (a checkpoint resuming part way through the epoch).
         self.state.update(num_batch=0, stop_epoch=False, skip_validate=False)
         self.state.update(train=True, validate_now=False, mid_epoch=False)
-        if not self.state["stop_training"]:
+        if not (self.state["stop_training"] or self.state["suspend"]):
             self("on_epoch_begin")
         if self.state["num_batch"] == 0:  # not an epoch resumed part way
             self.tally.start()
-        return self.state["stop_training"]
+        return self.state["stop_training"] or self.state["suspend"]
 
     def on_batch_begin(self, xb: Any, yb: Any, train: bool = True) -> tuple:
         state = self.state

@@ -187,6 +187,10 @@ def fit_states(
                     loss = loss_batch(model, xb, yb, loss_func, opt, cb_handler)
                     stop = cb_handler.on_batch_end(loss)
                     yield state
+                    if state["suspend"] and not (
+                        state["skip_step"] or state["validate_now"]
+                    ):
+                        return  # between two steps: to be resumed (a time limit)
                     if stop:
                         break
                 if ended or _end_record(cb_handler, batch_fn, mid_epoch=False):

@@ -1,0 +1,99 @@
+"""The ``suspend`` state key: a fit ended before its end (a time limit), that
+a ``Checkpoint`` resumes exactly, unlike ``stop_training``, which finishes."""
+
+import pytest
+import torch
+from helpers import make_dataset
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+from torch.utils.data import DataLoader
+
+from fitlib import Callback, DataBunch, Learner
+from fitlib.callbacks import Checkpoint, GradientAccumulation
+
+
+class SuspendAt(Callback):
+    """Suspends the fit at a training batch's end (``iteration``), or at the
+    end of an epoch (``epoch``)."""
+
+    def __init__(self, iteration=None, epoch=None):
+        self.iteration, self.epoch = iteration, epoch
+
+    def on_batch_end(self, iteration, train):
+        if train and iteration == self.iteration:
+            return {"suspend": True, "stop_reason": "time is up"}
+
+    def on_epoch_end(self, epoch):
+        if epoch == self.epoch:
+            return {"suspend": True, "stop_reason": "time is up"}
+
+
+def learner(callbacks=()):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3)
+    )
+    data = DataBunch(
+        DataLoader(make_dataset(100), 16, shuffle=True),
+        DataLoader(make_dataset(37, seed=1), 16),
+        device="cpu",
+    )
+    return Learner(data, model, F.cross_entropy, progress=False,
+                   callbacks=list(callbacks), opt_func=torch.optim.SGD)  # fmt: skip
+
+
+def same_weights(a, b):
+    pairs = zip(a.model.state_dict().values(), b.model.state_dict().values())
+    return all(torch.equal(x, y) for x, y in pairs)
+
+
+# An epoch is 7 batches (iterations 0-6 in epoch 0). At its last batch the fit
+# suspends before the epoch's validation: the resumed run validates it.
+@pytest.mark.parametrize(
+    "where, accumulate, recorded",
+    [({"iteration": 9}, 1, [0]), ({"epoch": 1}, 1, [0, 1]),
+     ({"iteration": 6}, 1, []), ({"iteration": 8}, 4, [0])],
+    ids=str,
+)  # fmt: skip
+def test_a_suspended_fit_resumes_exactly_and_keeps_no_partial_record(
+    tmp_path, where, accumulate, recorded
+):
+    extra = [GradientAccumulation(accumulate)]
+    learn = learner([Checkpoint(tmp_path), SuspendAt(**where), *extra])
+    history = learn.fit_one_cycle(3, 0.1)
+    assert history.stop_reason == "time is up"
+    assert [r["epoch"] for r in history] == recorded  # none for a partial epoch
+    resumed = learner([Checkpoint(tmp_path), *extra])
+    rest = resumed.fit_one_cycle(3, 0.1)
+    assert rest.stop_reason is None and rest[-1]["epoch"] == 2
+    unbroken = learner(extra)
+    whole = unbroken.fit_one_cycle(3, 0.1)
+    assert same_weights(resumed, unbroken)
+    assert resumed.recorder.losses == unbroken.recorder.losses
+    assert [r["valid_loss"] for r in history + rest] == [r["valid_loss"] for r in whole]
+
+
+def test_inside_a_gradient_group_the_fit_suspends_at_the_groups_end(tmp_path):
+    seen = []
+
+    class Watch(Callback):
+        order = 100
+
+        def on_train_end(self, iteration, step):
+            seen.append((iteration, step))
+
+    learn = learner([SuspendAt(iteration=5), GradientAccumulation(4), Watch()])
+    learn.fit(2, lr=0.1)
+    assert seen == [(7, 2)]  # groups of batches 0-3 and 4-6 (the ragged last)
+
+
+def test_stop_training_finishes_the_run_where_suspend_leaves_it_open(tmp_path):
+    class Stop(Callback):
+        def on_epoch_end(self, epoch):
+            if epoch == 0:
+                return {"stop_training": True}
+
+    learner([Checkpoint(tmp_path / "a"), Stop()]).fit(3, lr=0.1)
+    assert len(learner([Checkpoint(tmp_path / "a")]).fit(3, lr=0.1)) == 0
+    learner([Checkpoint(tmp_path / "b"), SuspendAt(epoch=0)]).fit(3, lr=0.1)
+    assert len(learner([Checkpoint(tmp_path / "b")]).fit(3, lr=0.1)) == 2
