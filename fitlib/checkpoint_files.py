@@ -1,12 +1,15 @@
 """The files of a checkpoint directory: which are checkpoints
 (``checkpoint-<number>.pth``), reading one and saying why it cannot be
 resumed from (``CheckpointFileError``), the file ``resume_from`` names, and
-the directory checked and cleaned before a fit writes it."""
+the directory checked and cleaned before a fit writes it, and a file kept
+for its value written once under two names (``link_or_copy``)."""
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -14,7 +17,7 @@ from typing import Any
 
 from fitlib.file_errors import DamagedFileError
 from fitlib.resume import Position
-from fitlib.serialization import safe_load
+from fitlib.serialization import atomic_write, fsync_dir, safe_load
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)\.pth")
 # What a checkpoint holds besides its format's own entries ("run", "opt_class").
@@ -173,7 +176,8 @@ def check_writable(dirpath: Path) -> None:
 def remove_temporaries(dirpath: Path) -> None:
     """Half-written files of a killed run (never a checkpoint: see atomic_save);
     a directory of that name is not fitlib's: it stays, with a warning."""
-    for tmp in dirpath.glob(".*.pth.*.tmp"):
+    found = [*dirpath.glob(".*.pth.*.tmp"), *dirpath.glob(".fitlib-best.json.*.tmp")]
+    for tmp in found:
         if tmp.is_dir() and not tmp.is_symlink():
             warnings.warn(
                 f"Checkpoint: {str(tmp)!r} is a directory named like fitlib's "
@@ -184,3 +188,22 @@ def remove_temporaries(dirpath: Path) -> None:
             )
             continue
         tmp.unlink(missing_ok=True)
+
+
+def link_or_copy(source: Path, path: Path) -> None:
+    """Makes ``path`` hold what ``source`` holds, atomically: a hard link
+    (one write for two files; replacing either later leaves the other), or a
+    copy where the file system has no links."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        os.link(source, tmp)
+    except OSError:  # no hard links here (or another device): copy
+        with atomic_write(path) as f, open(source, "rb") as src:
+            shutil.copyfileobj(src, f)
+        return
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

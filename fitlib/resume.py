@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fitlib.callback import Callback, inner_callback
-from fitlib.checks import check_int, len_or_none
+from fitlib.checks import check_int, check_number, len_or_none
 from fitlib.serialization import optimizer_differences, optimizer_identity
 
 HYPER = ("lr", "wd", "mom", "beta")
@@ -129,7 +129,8 @@ def run_differences(saved: dict, ours: dict, opt: Any, opt_state: dict) -> list[
             found.append(f"{name}: {whose[0]} {_show(theirs)}, {whose[1]} {_show(own)}")
     theirs, own = saved.get("schedules", {}), ours["schedules"]
     changed: dict[tuple, list[str]] = {}  # one line per pair of schedules
-    for name in HYPER:
+    others = sorted((theirs.keys() | own.keys()) - set(HYPER))  # eps, model.x.p
+    for name in [*HYPER, *others]:
         pair = (theirs.get(name, "none"), own.get(name, "none"))
         if pair[0] != pair[1]:
             changed.setdefault(pair, []).append(name)
@@ -162,12 +163,19 @@ def _show(values: list[float] | None) -> str:
     return repr(values[0]) if same and values else repr(values)
 
 
-def check_interval(every_n_epochs: Any, every_n_steps: Any) -> None:
-    if (every_n_epochs is None) == (every_n_steps is None):
+def check_interval(
+    every_n_epochs: Any, every_n_steps: Any, seconds: Any = None
+) -> None:
+    """Checks ``Checkpoint``'s intervals: one of every n epochs and every n
+    steps, which ``every_n_seconds`` may replace or come beside."""
+    if (every_n_epochs is None) == (every_n_steps is None) and (
+        seconds is None or every_n_epochs is not None
+    ):
         got = "neither" if every_n_epochs is None else "both"
         raise ValueError(
-            f"Checkpoint needs exactly one of every_n_epochs and every_n_steps; "
-            f"got {got}. Fix: e.g. Checkpoint(dir, every_n_epochs=1) or "
+            f"Checkpoint needs exactly one of every_n_epochs and every_n_steps "
+            f"(every_n_seconds may come beside either, or alone); got {got}. "
+            "Fix: e.g. Checkpoint(dir, every_n_epochs=1) or "
             "Checkpoint(dir, every_n_steps=500)."
         )
     for name, n in (
@@ -175,6 +183,8 @@ def check_interval(every_n_epochs: Any, every_n_steps: Any) -> None:
         ("every_n_steps", every_n_steps),
     ):
         check_int(n, name, minimum=1, owner="Checkpoint", example=1, allow_none=True)
+    check_number(seconds, "every_n_seconds", above=0, below=math.inf,
+                 owner="Checkpoint", example=1800, allow_none=True)  # fmt: skip
 
 
 def final_position(state: dict) -> Position | None:

@@ -111,3 +111,23 @@ def test_state_watch_warns_once_about_a_users_callback_that_changed():
         warnings.simplefilter("error")  # said once
         plain.seen = 2
         watch.warn_changed(inside_epoch=True)
+
+
+def test_a_run_differs_in_a_schedule_of_any_hyper_or_attribute():
+    from fitlib.callbacks import ParamScheduler, cosine, linear
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.Dropout(0.1))
+    opt = HPOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+
+    def signature(eps_end, p_end):
+        sched = ParamScheduler(
+            {"eps": cosine(1e-8, eps_end), "model.1.p": linear(0.1, p_end)}
+        )
+        return run_signature(opt, 3, None, range(8), [sched])
+
+    saved, ours = signature(1e-6, 0.5), signature(1e-5, 0.2)
+    lines = run_differences(saved, ours, opt, opt.state_dict()["opt"])
+    assert len(lines) == 1 and lines[0].startswith("schedule of eps, model.1.p:")
+    assert (
+        run_differences(saved, signature(1e-6, 0.5), opt, opt.state_dict()["opt"]) == []
+    )

@@ -68,8 +68,9 @@ on some network file systems (NFS without lock support, some FUSE mounts) a
 lock does not stop a run on another machine.
 
 With ``monitor``, a run that starts afresh next to a ``best.pth`` of the same
-monitor and mode starts from its best value: ``best.pth`` is replaced only by
-a better one (a line says so). A ``best.pth`` of another monitor is replaced
+monitor and mode starts from its best value (the value inside a whole one,
+else the record's): ``best.pth`` is replaced only by a better one (a line
+says so). A ``best.pth`` of another monitor is replaced
 by this run's best, and so is a damaged one (with a warning: its value is
 lost, so this run starts the best over). A directory named ``best.pth`` is
 refused before training.
@@ -96,11 +97,56 @@ Files are written atomically (temporary file, fsync, rename, fsync of the
 directory): killing the process at any moment leaves the previous checkpoint
 loadable. They get the mode a plain ``open()`` would give them under the
 user's umask (an existing file's mode is kept), and hold the plain model's
-keys whatever wraps it (DDP, ``torch.compile``): they load into a plain
-process with ``Learner.load``. Files:
+keys whatever wraps it (DDP, ``torch.compile``): whole ones load into a
+plain process with ``Learner.load``; weights-only ones (``save_weights_only``)
+with ``model.load_state_dict(torch.load(path, weights_only=True))``. Files:
 ``checkpoint-<number>.pth``, numbered after the newest in ``dirpath``
 whichever run wrote it (the newest ``keep_last`` are kept), and ``best.pth``
-(with ``monitor``).
+(with ``monitor``), the top-k files (with ``save_top_k``) and
+``.fitlib-best.json``, the record of what those are worth.
+
+Files kept for their value: ``best.pth`` (the single best) and, with
+``save_top_k=k``, the k best by ``monitor``, named by ``filename`` (a
+template of the record's values and the counters ``epoch``, ``step``,
+``iteration``; default ``"epoch={epoch}-step={step}"``; checked before
+training: a name the record will not have, or a format spec that does not
+fit, is refused). The template names only these files: the regular
+checkpoints keep ``checkpoint-<number>.pth`` whatever it is, so a resume
+finds the newest intact one by its number, and ``keep_last`` never counts
+or removes a top-k file. A value enters the k best when it beats the worst
+kept (a tie keeps the earlier file; NaN never enters) and, with
+``initial_value_threshold``, that threshold: until then there is no best
+file at all. A template whose text could give a regular checkpoint's name
+(it begins with ``checkpoint``) is refused. The ranking (names and values)
+is in every checkpoint: a resumed run continues it (replaying what followed
+its checkpoint under the same names). A fresh run reads
+``.fitlib-best.json`` (``checkpoint_ranking.BestFiles``), rewritten
+atomically right after each file kept for its value changes, so it is never
+older than those files (the newest checkpoint may be): with the same
+monitor and mode it competes with the earlier run's files still there, so,
+as with ``best.pth``, a kept file is replaced only by a better one (a
+smaller ``save_top_k`` deletes those it cuts). Every other file already in
+``dirpath`` is taken: never overwritten nor deleted (a name of this run
+that clashes gets ``-v1``, ``-v2``), and files ranked by another monitor
+are left alone, with one warning. A damaged record is warned about and the
+ranking starts over. A file both best and among the k best is written once
+(a hard link, or a copy). A top-k file is a whole checkpoint
+(``resume_from`` may name it) unless
+``save_weights_only``: then ``best.pth`` and the top-k files hold the plain
+model's ``state_dict()`` alone, for export (``model.load_state_dict(
+torch.load(path, weights_only=True))``), and the regular checkpoints stay
+whole, so resuming is unchanged (``resume_from='best'`` is refused with it,
+when the object is made; the value of a weights-only ``best.pth`` of an
+earlier run is read from ``.fitlib-best.json``). A threshold or
+``save_weights_only`` with neither ``best.pth`` nor top-k files to apply
+to is refused.
+
+``every_n_seconds`` saves a regular checkpoint once that many seconds of
+wall clock (``time.monotonic()`` on the host, no device sync) have passed
+since the fit began or the last save, at the next batch's start as the
+other saves, so it resumes exactly as they do. Under torch.distributed
+rank 0's clock decides for every rank, at checks paced to about ten per
+interval (``checkpoint_clock.SaveClock``), never a collective per step.
 """
 
 from __future__ import annotations
@@ -112,19 +158,22 @@ from typing import Any
 
 import fitlib.ranks as ranks
 from fitlib.callback import Callback
+from fitlib.checkpoint_clock import SaveClock
 from fitlib.checkpoint_files import (
     CHECKPOINT_NAME,
     CheckpointFileError,
     check_writable,
     checkpoint_files,
+    link_or_copy,
     listing,
     not_a_file,
     numbered,
     read_checkpoint,
     remove_temporaries,
     resume_path,
-    why_unloadable,
 )
+from fitlib.checkpoint_names import DEFAULT_TEMPLATE, FileTemplate
+from fitlib.checkpoint_ranking import BestFiles, check_best_options, watched
 from fitlib.checks import check_flag, check_int, check_path, len_or_none
 from fitlib.dir_lock import DirLock
 from fitlib.metrics.functions import load_class_dims, saved_class_dims
@@ -146,7 +195,6 @@ from fitlib.serialization import (
     check_model_state,
     host_copy,
     optimizer_differences,
-    safe_load,
 )
 from fitlib.sharding import (
     load_model,
@@ -179,6 +227,24 @@ class Checkpoint(Callback):
             (it must be of the same run; newer ones that are damaged are
             skipped with a warning); if it marks training as finished, say so
             and train nothing. False starts afresh.
+        save_top_k: also keep the k best checkpoints by ``monitor`` (Lightning's
+            ``save_top_k``, Ignite's ``n_saved``), named by ``filename``;
+            ``-1`` keeps every one judged. The ranking is in the checkpoints'
+            state: a resume keeps it, and a fresh run in ``dirpath`` that
+            watches the same monitor competes with the files it lists.
+        filename: the top-k files' name template (default
+            ``"epoch={epoch}-step={step}"``), with the record's values and
+            the counters ``epoch``, ``step``, ``iteration``:
+            ``"{epoch:02d}-{valid_loss:.3f}"``. Checked before training.
+        initial_value_threshold: no best (no ``best.pth``, no top-k file)
+            until ``monitor`` beats this value (Keras).
+        every_n_seconds: also save when this many seconds (wall clock) have
+            passed since the last save (Lightning's ``train_time_interval``);
+            alone, it replaces the default of every epoch.
+        save_weights_only: ``best.pth`` and the top-k files hold the plain
+            model's ``state_dict()`` only, for export (``torch.load(path,
+            weights_only=True)``); the regular checkpoints stay whole, to
+            resume from.
         resume_from: resume from this checkpoint instead of the newest (as
             Lightning's ``ckpt_path``): a file name in ``dirpath``
             (``"checkpoint-000040.pth"``), ``"best"`` (``best.pth``),
@@ -222,10 +288,16 @@ class Checkpoint(Callback):
         save_best: bool = True,
         resume: bool = True,
         resume_from: str | os.PathLike | None = None,
+        save_top_k: int | None = None,
+        filename: str | None = None,
+        initial_value_threshold: float | None = None,
+        every_n_seconds: float | None = None,
+        save_weights_only: bool = False,
     ) -> None:
         if every_n_epochs is _DEFAULT:
-            every_n_epochs = None if every_n_steps is not None else 1
-        check_interval(every_n_epochs, every_n_steps)
+            others = (every_n_steps, every_n_seconds)
+            every_n_epochs = 1 if others == (None, None) else None
+        check_interval(every_n_epochs, every_n_steps, every_n_seconds)
         check_int(keep_last, "keep_last", minimum=1, owner=self.name, example=3)
         self.dirpath = check_path(
             dirpath,
@@ -242,6 +314,8 @@ class Checkpoint(Callback):
             resume, "resume", self.name, "Checkpoint(dir, resume=False)"
         )
         self.resume_from = resume_path(resume_from, self.dirpath, resume)
+        self._options(monitor, save_top_k, filename, initial_value_threshold,
+                      save_weights_only, every_n_seconds, save_best)  # fmt: skip
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.keep_last, self.save_best, self.resume = keep_last, save_best, resume
         if monitor == "train_loss":
@@ -252,6 +326,10 @@ class Checkpoint(Callback):
             )
         owner = "Checkpoint"
         self.monitor = None if monitor is None else Monitor(monitor, mode, 0.0, owner)
+        self.best = None  # the files kept for their value (best.pth, top-k)
+        if self.monitor is not None:
+            self.best = BestFiles(self.dirpath, self.monitor, save_best, save_top_k,
+                                  self.filename, initial_value_threshold)  # fmt: skip
         self._resume: dict | None = None  # a loaded checkpoint being resumed
         self._due = False
         self._fits = 0  # only the first fit of a process resumes
@@ -275,15 +353,21 @@ class Checkpoint(Callback):
     ) -> dict | None:
         """Runs first: locks the directory; resumes from the newest checkpoint."""
         self._lock_directory()
-        if self.every_n_steps and len_or_none(data.train_dl) is None:
+        inside = "every_n_steps" if self.every_n_steps else None
+        inside = "every_n_seconds" if self.every_n_seconds else inside
+        if inside and len_or_none(data.train_dl) is None:
             raise ValueError(
-                "Checkpoint(every_n_steps=...) needs a train_dl with a length, to "
+                f"Checkpoint({inside}=...) needs a train_dl with a length, to "
                 "resume inside an epoch. Fix: give the loader a __len__, or use "
                 "every_n_epochs."
             )
         if self.monitor is not None:
             self.monitor.start(metrics, data, train_metrics, callbacks, loss_func)
+            if self.filename is not None:
+                self.filename.check(metrics, data, train_metrics, callbacks, loss_func)
             self._check_best_entry()
+        if self._clock is not None:
+            self._clock.reset()
         # The same objects all fit long: kept for the saves.
         self._model, self._opt, self._loader = model, opt, data.train_dl
         self._tally, self._judge = tally, None
@@ -302,7 +386,8 @@ class Checkpoint(Callback):
         self._fits += 1
         if found is not None:
             return self._load(*found)
-        self._start_best()
+        if self.best is not None:
+            self.best.start(None)
         return None
 
     def on_epoch_begin(
@@ -344,7 +429,7 @@ class Checkpoint(Callback):
         # A save at the next batch's start comes after that batch was fetched,
         # which may draw random numbers (augmentation): resume from before it.
         # So does a best.pth judged there, after a validation inside the epoch.
-        judges = validate_now and self.monitor is not None and self.save_best
+        judges = validate_now and self._judging()
         if train and (self._due or judges):
             self._rng_before_fetch = get_rng_state(self._loader)
             self._noted = iteration
@@ -352,11 +437,11 @@ class Checkpoint(Callback):
     def on_step_end(self, skip_step: bool, step: int) -> None:
         """Runs after each step: a checkpoint falls due every n steps."""
         # The handler counts this step after the hooks: step + 1 steps are done.
-        if (
-            self.every_n_steps
-            and not skip_step
-            and (step + 1) % self.every_n_steps == 0
-        ):
+        if skip_step:
+            return
+        if self.every_n_steps and (step + 1) % self.every_n_steps == 0:
+            self._due = True
+        if self._clock is not None and self._clock.tick():
             self._due = True
 
     def on_epoch_end(
@@ -378,7 +463,7 @@ class Checkpoint(Callback):
         callback's state is that of the record's end, as in a checkpoint
         saved there.
         """
-        if self.monitor is not None and self.save_best:
+        if self._judging():
             where = (epoch, num_batch) if mid_epoch else (epoch + 1, 0)
             self._judge = (record, Position(*where, iteration, step))
             if mid_epoch and self._noted != iteration - 1:
@@ -420,9 +505,69 @@ class Checkpoint(Callback):
         if judge is None or getattr(self, "_model", None) is None:
             return
         record, where = judge
-        value = self.monitor.read(record)
-        if value is not None and self.monitor.update(value):
-            self._write(self.dirpath / "best.pth", where)
+        names = self.best.judge(record, where.step, where.iteration)
+        if names:
+            self._keep([self.dirpath / name for name in names], where)
+        self.best.settle(bool(names))
+
+    def _keep(self, paths: list[Path], where: Position) -> None:
+        """Writes a file kept for its value (whole, or the weights alone)
+        once, under each of its names."""
+        if not self.save_weights_only:
+            self._write(paths[0], where)
+        else:
+            weights = model_state(self._model)  # (every rank: a sharded one gathers)
+            if ranks.is_main():
+                atomic_save(host_copy(weights), paths[0])
+        for path in paths[1:] if ranks.is_main() else ():
+            link_or_copy(paths[0], path)
+
+    def _judging(self) -> bool:
+        """Whether records are judged: for best.pth, or for the top-k files."""
+        return self.best is not None and self.best.judging
+
+    @property
+    def top_k(self) -> Any:
+        """The ranking of the top-k files (``save_top_k``), or None."""
+        return self.best.top_k if self.best is not None else None
+
+    @property
+    def best_files(self) -> list[tuple[Path, float]]:
+        """The top-k files (``save_top_k``) and their values, best first."""
+        entries = self.top_k.entries if self.top_k is not None else []
+        return [(self.dirpath / name, value) for value, name in entries]
+
+    def _options(
+        self,
+        monitor: Any,
+        save_top_k: Any,
+        filename: Any,
+        threshold: Any,
+        weights_only: Any,
+        seconds: Any,
+        save_best: bool,
+    ) -> None:
+        """Checks and keeps the options of the best files and of the clock."""
+        fix = "Checkpoint(dir, save_weights_only=True)"
+        weights_only = check_flag(weights_only, "save_weights_only", self.name, fix)
+        check_best_options(monitor, save_top_k, filename, threshold, weights_only,
+                           save_best)  # fmt: skip
+        if weights_only and self.resume_from == self.dirpath / "best.pth":
+            raise ValueError(
+                "Checkpoint: resume_from='best' with save_weights_only=True: "
+                "best.pth holds the weights alone, with nothing to resume the "
+                "run from. Fix: resume from the newest checkpoint (leave "
+                "resume_from out) or one of the checkpoint-<n>.pth files, or "
+                "save_weights_only=False."
+            )
+        self.save_weights_only, self.threshold = weights_only, threshold
+        if save_top_k is not None:
+            template = DEFAULT_TEMPLATE if filename is None else filename
+            self.filename = FileTemplate(template, self.name)
+        else:
+            self.filename = None
+        self.every_n_seconds = None if seconds is None else float(seconds)
+        self._clock = None if seconds is None else SaveClock(float(seconds))
 
     # -- the lock --------------------------------------------------------------
     def _lock_directory(self) -> None:
@@ -458,6 +603,8 @@ class Checkpoint(Callback):
             self._watch.warn_changed(inside_epoch=where.num_batch > 0)
         self._write(path, where)
         self._due = False
+        if self._clock is not None:
+            self._clock.reset()
         if ranks.is_main():
             for old in self._removable()[: -self.keep_last]:
                 old.unlink(missing_ok=True)
@@ -496,6 +643,7 @@ class Checkpoint(Callback):
                 "rank_callbacks": states if len(states) > 1 else None,
                 "tally": tallies if where.num_batch else None,
                 "monitor": self.monitor.state_dict() if self.monitor else None,
+                "top_k": self.top_k.state_dict() if self.top_k else None,
                 "position": where._asdict(),
                 # Inside an epoch: the RNG before its next batch was loaded.
                 "rng": rngs,
@@ -600,8 +748,8 @@ class Checkpoint(Callback):
         give_states(self._others, saved["callbacks"])
         if saved.get("tally") is not None:  # (rank's own: see _own_states)
             self._tally.load_state_dict(saved["tally"])
-        if self.monitor is not None and saved["monitor"] is not None:
-            self.monitor.load_state_dict(saved["monitor"])
+        if self.best is not None:
+            self.best.start(saved)
         pos = saved["position"]
         if pos["finished"]:
             _say(
@@ -614,7 +762,8 @@ class Checkpoint(Callback):
             # The finished run's position: callbacks see a resumed fit and
             # keep their restored state (logs are not started anew).
             done = {k: pos[k] for k in ("epoch", "iteration", "step")}
-            return {**done, "stop_training": True}
+            reason = f"Checkpoint: the run in {str(self.dirpath)!r} already finished"
+            return {**done, "stop_training": True, "stop_reason": reason}
         _say(
             f"fitlib: Checkpoint: resuming from {path.name} (epoch {pos['epoch']}, "
             f"batch {pos['num_batch']}, step {pos['step']})."
@@ -634,7 +783,7 @@ class Checkpoint(Callback):
             )
             old = {"opt_class": saved["opt_class"]}
             found = optimizer_differences(self._opt, saved["opt"], old, whose)
-        ours, kept = _watched(self.monitor), _watched(saved["monitor"])
+        ours, kept = watched(self.monitor), watched(saved["monitor"])
         if None not in (ours, kept) and ours != kept:
             found.append(f"monitor: {whose[0]} {kept}, {whose[1]} {ours}")
         if found:
@@ -646,40 +795,6 @@ class Checkpoint(Callback):
                 "its checkpoints after those there and, as it saves, deletes the "
                 f"oldest beyond keep_last={self.keep_last} (the other run's "
                 "too); or give this run another dirpath to keep both."
-            )
-
-    def _start_best(self) -> None:
-        """A fresh run's best starts from ``best.pth`` of the same quantity, so
-        that only a better value replaces it."""
-        path = self.dirpath / "best.pth"
-        if self.monitor is None or not self.save_best or not path.is_file():
-            return
-        self.monitor.reset()
-        try:
-            saved = safe_load(path, map_location="cpu", mmap=True)  # weights unread
-        except ValueError as e:  # damaged: its best value is lost
-            warnings.warn(
-                f"Checkpoint: {str(path)!r} {why_unloadable(e, path)}; this run "
-                "starts the best over: the first value it judges replaces that "
-                "file.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return
-        kept = saved.get("monitor") if isinstance(saved, dict) else None
-        ours = _watched(self.monitor)
-        if _watched(kept) == ours:
-            self.monitor.best = float(kept["best"])
-            _say(
-                f"fitlib: Checkpoint: {str(path)!r} holds the best {ours} so far "
-                f"({self.monitor.best:.6g}, of an earlier run); this run replaces "
-                "it only with a better value."
-            )
-        else:
-            _say(
-                f"fitlib: Checkpoint: {str(path)!r} kept the best "
-                f"{_watched(kept) or 'of no monitor'}; this run watches {ours} "
-                "and replaces it with its best."
             )
 
     def _check_best_entry(self) -> None:
@@ -735,15 +850,6 @@ def _own_states(saved: dict, path: Path) -> None:
         saved["tally"] = saved["tally"][ranks.rank()]
     if saved["epoch_rng"] is not None:
         saved["epoch_rng"] = saved["epoch_rng"][ranks.rank()]
-
-
-def _watched(monitor: Any) -> str | None:
-    """``"valid_loss (min)"``: what a Monitor or its saved state watches."""
-    if isinstance(monitor, Monitor):
-        return f"{monitor.name} ({monitor.mode})"
-    if not isinstance(monitor, dict) or "monitor" not in monitor:
-        return None
-    return f"{monitor['monitor']} ({monitor.get('mode')})"
 
 
 def _same(a: Path, b: Path) -> bool:
