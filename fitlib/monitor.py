@@ -19,6 +19,7 @@ from typing import Any
 from fitlib.errors import closest, did_you_mean, is_number
 
 MODES = ("auto", "min", "max")
+DELTA_MODES = ("abs", "rel")
 LOSSES = ("valid_loss", "train_loss")
 # Words that say which way a quantity should go, for mode="auto". A name is
 # split into words ("top_k_accuracy" -> top, k, accuracy); trailing digits are
@@ -61,9 +62,14 @@ def direction(name: str) -> str | None:
 class Monitor:
     """Reads a monitored quantity at epoch end and tells if it improved.
 
-    A value improves when it beats ``best`` by more than ``min_delta``
-    (absolute) in the mode's direction; NaN never improves. ``best`` starts
-    at the worst value (``inf`` for "min", ``-inf`` for "max").
+    A value improves when it beats ``best`` by more than a margin in the
+    mode's direction: ``min_delta`` itself (``min_delta_mode="abs"``), or
+    ``min_delta * abs(best)`` (``"rel"``: ``min_delta=0.01`` asks for 1% better,
+    torch's ``threshold_mode="rel"``; for a negative best torch's rule,
+    ``best * (1 - min_delta)``, would take a worse value as an improvement,
+    this one does not). NaN never improves. ``best`` starts at the worst
+    value (``inf`` for "min", ``-inf`` for "max"), which any finite value
+    beats, in either delta mode.
 
     Args:
         monitor: a name of the epoch record: ``"valid_loss"``,
@@ -72,6 +78,8 @@ class Monitor:
         mode: ``"min"``, ``"max"``, or ``"auto"`` to infer it from the name.
         min_delta: the least change that counts as an improvement (>= 0).
         owner: the owning callback's name, for error messages.
+        min_delta_mode: ``"abs"`` (``min_delta`` is an amount of the value)
+            or ``"rel"`` (a fraction of the best value's size).
 
     Examples:
         >>> from fitlib.monitor import Monitor
@@ -93,11 +101,14 @@ class Monitor:
         mode: str = "auto",
         min_delta: float = 0.0,
         owner: str = "Monitor",
+        min_delta_mode: str = "abs",
     ) -> None:
         self.owner = owner
         self.name = _check_name(monitor, owner)
+        self._pending = False  # mode="auto" on a loss part: decided by start()
         self.mode = self._resolve_mode(mode)
         self.min_delta = _check_min_delta(min_delta, owner)
+        self.min_delta_mode = _check_delta_mode(min_delta_mode, owner)
         self._known: list[str] = []  # the names known before training
         self.reset()
 
@@ -144,6 +155,8 @@ class Monitor:
             )
         if self.name not in known:
             self._refuse_unknown(known, parts)
+        if self._pending and self.name not in part_names:  # not a loss part
+            raise ValueError(self._cannot_tell())
         validated = self.name in ("valid_loss", *metric_names)
         if (validated or self.name.startswith("valid_")) and _lacks_validation(data):
             raise ValueError(
@@ -187,10 +200,19 @@ class Monitor:
         return None if value is None else float(value)
 
     def is_improvement(self, value: float) -> bool:
-        """Whether ``value`` beats ``best`` by more than ``min_delta``."""
+        """Whether ``value`` beats ``best`` by more than the margin
+        (``min_delta``, or ``min_delta * abs(best)`` in ``"rel"`` mode)."""
+        margin = self.min_delta
+        if self.min_delta_mode == "rel":  # (the starting inf: any value beats it)
+            margin *= abs(self.best) if math.isfinite(self.best) else 0.0
         if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta  # False for NaN, as above
+            return value < self.best - margin
+        return value > self.best + margin  # False for NaN, as above
+
+    def beats(self, value: float, reference: float) -> bool:
+        """Whether ``value`` is strictly better than ``reference`` in the
+        mode's direction (no margin; False for NaN)."""
+        return value < reference if self.mode == "min" else value > reference
 
     def update(self, value: float) -> bool:
         """Records ``value`` as the best when it improves; returns whether it did."""
@@ -222,7 +244,8 @@ class Monitor:
     def __repr__(self) -> str:
         return (
             f"Monitor({self.name!r}, mode={self.mode!r}, "
-            f"min_delta={self.min_delta}, best={self.best})"
+            f"min_delta={self.min_delta}, min_delta_mode={self.min_delta_mode!r}, "
+            f"best={self.best})"
         )
 
     def _resolve_mode(self, mode: Any) -> str:
@@ -242,13 +265,21 @@ class Monitor:
                 f"the name; if {self.name!r} is a value of yours, pass "
                 "mode='min' (lower is better) or mode='max'."
             )
+        if found is None and self.name.startswith(("train_", "valid_")):
+            # Maybe a part of the loss (a LossDict's output name): a loss goes
+            # down, which start() confirms once it sees the loss's parts.
+            self._pending = True
+            return "min"
         if found is None:
-            raise ValueError(
-                f"{self.owner}: mode='auto' cannot tell whether {self.name!r} "
-                "improves by going down (losses, errors) or up (accuracy, "
-                "f-scores, r2, ...). Fix: pass mode='min' or mode='max'."
-            )
+            raise ValueError(self._cannot_tell())
         return found
+
+    def _cannot_tell(self) -> str:
+        return (
+            f"{self.owner}: mode='auto' cannot tell whether {self.name!r} "
+            "improves by going down (losses, errors) or up (accuracy, "
+            "f-scores, r2, ...). Fix: pass mode='min' or mode='max'."
+        )
 
 
 def _respelt(name: str) -> str | None:
@@ -300,6 +331,16 @@ def _check_min_delta(min_delta: Any, owner: str) -> float:
             "Fix: e.g. min_delta=0.0 (any improvement counts) or 1e-4."
         )
     return float(min_delta)
+
+
+def _check_delta_mode(min_delta_mode: Any, owner: str) -> str:
+    if min_delta_mode not in DELTA_MODES:
+        raise ValueError(
+            f"{owner}: min_delta_mode must be one of {DELTA_MODES}; got "
+            f"{min_delta_mode!r}. Fix: min_delta_mode='abs' (min_delta is an "
+            "amount of the value) or 'rel' (a fraction of the best value)."
+        )
+    return min_delta_mode
 
 
 def _lacks_validation(data: Any) -> bool:

@@ -227,6 +227,41 @@ def test_an_infinite_value_does_not_improve_on_the_start_as_in_torch():
     assert not Monitor("accuracy").is_improvement(-math.inf)
 
 
+def test_a_relative_min_delta_asks_for_a_fraction_of_the_best_in_min_mode():
+    m = Monitor("valid_loss", min_delta=0.1, min_delta_mode="rel")
+    assert m.update(2.0)  # anything beats the start (inf), also in rel mode
+    assert not m.update(1.8)  # 10% of 2.0 exactly: not more
+    assert not m.update(1.85) and m.best == 2.0
+    assert m.update(1.79) and m.best == 1.79
+    assert not m.update(1.7)  # 1.79 * 0.9 = 1.611 is the bar now
+
+
+def test_a_relative_min_delta_in_max_mode_and_for_negative_values():
+    m = Monitor("accuracy", min_delta=0.5, min_delta_mode="rel")
+    assert m.update(0.2) and not m.update(0.3) and m.update(0.31)
+    # A negative best: the bar is 10% of its size better, never worse (torch's
+    # best * (1 - d) would take -9.5 as an improvement on -10).
+    neg = Monitor("valid_loss", min_delta=0.1, min_delta_mode="rel")
+    assert neg.update(-10.0)
+    assert not neg.update(-9.5) and not neg.update(-10.9)
+    assert neg.update(-11.1) and neg.best == -11.1
+
+
+def test_an_absolute_min_delta_is_the_default_and_a_bad_delta_mode_raises():
+    assert Monitor("valid_loss").min_delta_mode == "abs"
+    with pytest.raises(ValueError, match=r"EarlyStopping: min_delta_mode must be "
+                       r"one of \('abs', 'rel'\); got 'relative'"):  # fmt: skip
+        Monitor("valid_loss", min_delta_mode="relative", owner="EarlyStopping")
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_beats_compares_strictly_in_the_modes_direction(mode):
+    m = Monitor("x", mode=mode)
+    better, worse = (1.0, 2.0) if mode == "min" else (2.0, 1.0)
+    assert m.beats(better, worse) and not m.beats(worse, better)
+    assert not m.beats(1.0, 1.0) and not m.beats(math.nan, 5.0)
+
+
 def test_reset_forgets_the_best():
     m = Monitor("valid_loss")
     m.update(0.3)
@@ -280,3 +315,19 @@ def test_every_monitor_knows_the_losss_declared_parts_before_training(make, tmp_
         fit(1, model, loss, HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1),
             make_data(), callbacks=[make(tmp_path)])  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_mode_auto_takes_a_part_of_the_loss_as_a_loss():
+    from fitlib.losses import LossDict
+
+    losses = LossDict({"a": F.cross_entropy, "b": F.mse_loss})
+    part = Monitor("valid_b")  # "b" says no direction: the loss decides
+    part.start(None, loss_func=losses)
+    assert part.mode == "min" and part.best == math.inf
+    with pytest.raises(ValueError, match="'valid_c' is not computed"):
+        Monitor("valid_c").start(None, loss_func=losses)
+    undeclared = Monitor("valid_c")  # a loss without part_names: not a part
+    with pytest.raises(ValueError, match=r"mode='auto' cannot tell.*'valid_c'"):
+        undeclared.start(None, loss_func=F.cross_entropy)
+    with pytest.raises(ValueError, match=r"mode='auto' cannot tell.*'speed'"):
+        Monitor("speed")  # no prefix: refused as it is made

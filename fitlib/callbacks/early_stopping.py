@@ -1,8 +1,12 @@
-"""``EarlyStopping``: end training when a monitored value stops improving.
+"""``EarlyStopping``: end training when a monitored value stops improving,
+reaches a target, diverges or is not finite.
 
 The value is read through ``Monitor``, once per epoch in one host transfer.
 With ``restore_best`` the best epoch's weights are copied to the host (one
 copy per improving epoch, not per batch) and loaded back when training ends.
+Every rule reads only the record (the same on every rank under
+torch.distributed) and the loop's counters, so every rank stops at the same
+record; keep it so (no rank-local value in a rule).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import torch
 
 from fitlib.callback import Callback
-from fitlib.checks import check_flag, check_int
+from fitlib.checks import check_flag, check_int, check_number
 from fitlib.errors import is_number
 from fitlib.monitor import Monitor
 from fitlib.serialization import host_copy
@@ -22,6 +26,11 @@ from fitlib.sharding import load_model, model_state
 _STATE_KEYS = ("monitor", "wait", "best_epoch", "stopped_epoch")
 # Since validations inside epochs: the steps of those records (None without).
 _STEP_KEYS = ("best_step", "stopped_step")
+# Since the stopping rules: which one stopped training, and the sentence.
+_STOP_KEYS = ("stop_rule", "stop_reason")
+# The names ``stop_rule`` takes, one per rule.
+RULES = ("check_finite", "stopping_threshold", "divergence_threshold", "baseline",
+         "patience")  # fmt: skip
 
 
 class EarlyStopping(Callback):
@@ -35,12 +44,14 @@ class EarlyStopping(Callback):
     Training stops after a bad epoch that does not improve on the best once
     the count *reaches* ``patience``: with ``patience=0`` or ``1`` at the
     first epoch that does not improve, with ``patience=2`` at the second in
-    a row. With a baseline the count runs from the first counted epoch, so
-    training stops unless the value beats the baseline within ``patience``
-    epochs; an epoch that still improves on the best never stops it (as in
-    Keras). (Earlier fitlib versions waited for the count to *exceed*
-    ``patience``, fastai v1's rule: one epoch more. ``ReduceLROnPlateau``
-    keeps torch's rule.)
+    a row. With a baseline the count runs from the first counted epoch
+    until a value beats the baseline, so once ``patience`` epochs have gone
+    by without one, training stops at the first epoch that does not improve
+    on the best: an epoch that still improves never stops it (as in Keras),
+    so a value that improves slowly, far from the baseline, trains on.
+    (Earlier fitlib versions waited for the count to *exceed* ``patience``,
+    fastai v1's rule: one epoch more. ``ReduceLROnPlateau`` keeps torch's
+    rule.)
     NaN is never an improvement; an epoch in which the value was not
     computed (None in the record: validation skipped) is not counted. A
     NaN at the first epoch counts too: with ``patience=0`` or ``1`` training
@@ -58,6 +69,35 @@ class EarlyStopping(Callback):
     training stops right after the validation that reaches it; ``best_step``
     and ``stopped_step`` say where in the epoch.
 
+    Besides patience, three rules stop at once, judged on each counted
+    record in this order (the first that holds is the one reported):
+    ``check_finite`` (the value is NaN or infinite), ``stopping_threshold``
+    (the value reached it: at or beyond it, ``<=`` in "min" mode, ``>=`` in
+    "max"; good enough) and ``divergence_threshold`` (the value is strictly
+    worse than it: hopeless). Then patience (or the baseline) as above. The
+    best value and its weights are taken before the rules, so a record that
+    reaches ``stopping_threshold`` with a new best is the one
+    ``restore_best`` loads. ``min_delta_mode="rel"`` makes ``min_delta`` a
+    fraction of the best value's size (see ``Monitor``).
+
+    ``min_epochs`` and ``min_steps`` hold back every stop of this callback
+    until that many epochs have completed and that many optimizer steps
+    (``step``: with gradient accumulation, fewer than batches) have run. A
+    validation inside an epoch counts the epochs completed before it: one
+    in epoch 2 (0-based) counts two. Records before the minimum still count
+    (the best value, the bad epochs), and each later record is judged
+    afresh: a patience that ran out during the minimum stops at the first
+    record after it that does not improve; a threshold reached during it
+    stops at the first record after it that still reaches it. (Lightning's
+    Trainer keeps a stop asked for earlier and ends at the first step past
+    the minimum; here stops happen at records.) ``start_from_epoch``
+    differs: epochs before it are not looked at at all.
+
+    Each stop returns ``stop_reason`` (the fit's ``History.stop_reason``)
+    naming the rule, the value and the threshold, e.g. ``"EarlyStopping:
+    valid_loss=0.041 reached stopping_threshold=0.05"``; ``stop_rule`` is the
+    rule's name (one of ``RULES``).
+
     Args:
         monitor: ``"valid_loss"``, ``"train_loss"`` or a metric's name.
         min_delta: the least change that counts as an improvement (>= 0).
@@ -71,6 +111,15 @@ class EarlyStopping(Callback):
             evaluated; the copy is kept on the host.
         start_from_epoch: epochs before this one (0-based) are not counted
             (a warm-up during which no improvement is expected).
+        check_finite: stop at a NaN or infinite value (else such a value is
+            a bad epoch, as any that does not improve).
+        stopping_threshold: stop once the value reaches this (or None).
+        divergence_threshold: stop once the value is worse than this (or
+            None); it must be worse than ``stopping_threshold``.
+        min_delta_mode: ``"abs"`` (``min_delta`` is an amount of the value)
+            or ``"rel"`` (a fraction of the best value's size).
+        min_epochs: epochs that must complete before any stop (>= 0).
+        min_steps: optimizer steps that must run before any stop (>= 0).
 
     Attributes:
         wait: the bad epochs in a row so far (with a baseline: the counted
@@ -80,6 +129,10 @@ class EarlyStopping(Callback):
         best_step: the step of the best record, when records carry their
             step (validations inside epochs), else None.
         stopped_step: the step of the record after which it stopped, likewise.
+        stop_rule: the rule that stopped training (``"patience"``,
+            ``"baseline"``, ``"check_finite"``, ``"stopping_threshold"``,
+            ``"divergence_threshold"``), or None.
+        stop_reason: the sentence it returned as ``stop_reason``, or None.
 
     Examples:
         >>> stop = EarlyStopping("accuracy", patience=2, restore_best=True)
@@ -91,6 +144,13 @@ class EarlyStopping(Callback):
                 accuracy 0.4688 -> 0.5)
         >>> stop.best_epoch, stop.stopped_epoch
         (1, 3)
+        >>> target = EarlyStopping("accuracy", stopping_threshold=0.5)
+        >>> history = fit(50, model, F.cross_entropy, opt, data,
+        ...               metrics=[accuracy], callbacks=[target])
+        EarlyStopping: stopped after epoch 0: accuracy=0.5 reached
+        stopping_threshold=0.5; best accuracy=0.5 at epoch 0
+        >>> history.stop_reason
+        'EarlyStopping: accuracy=0.5 reached stopping_threshold=0.5'
     """
 
     # After ReduceLROnPlateau (40): on a shared plateau the lr is lowered
@@ -108,13 +168,32 @@ class EarlyStopping(Callback):
         baseline: float | None = None,
         restore_best: bool = False,
         start_from_epoch: int = 0,
+        check_finite: bool = False,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        min_delta_mode: str = "abs",
+        min_epochs: int = 0,
+        min_steps: int = 0,
     ) -> None:
-        self.monitor = Monitor(monitor, mode, min_delta, owner=self.name)
+        self.monitor = Monitor(
+            monitor, mode, min_delta, owner=self.name, min_delta_mode=min_delta_mode
+        )
         self.patience = check_int(patience, "patience", owner=self.name, example=3)
         self.start_from_epoch = check_int(
             start_from_epoch, "start_from_epoch", owner=self.name, example=0
         )
+        self.min_epochs = check_int(
+            min_epochs, "min_epochs", owner=self.name, example=5
+        )
+        self.min_steps = check_int(min_steps, "min_steps", owner=self.name, example=100)
         self.baseline = _check_baseline(baseline)
+        self.check_finite = check_flag(
+            check_finite, "check_finite", self.name,
+            "EarlyStopping(..., check_finite=True)",
+        )  # fmt: skip
+        self.stopping_threshold = self._threshold(stopping_threshold, "stopping")
+        self.divergence_threshold = self._threshold(divergence_threshold, "divergence")
+        self._check_thresholds()
         self.restore_best = check_flag(
             restore_best,
             "restore_best",
@@ -124,6 +203,8 @@ class EarlyStopping(Callback):
         self._fitting = False  # between this fit's on_train_begin and end
         self._stopped_now = False  # stopped in this fit: print at its end
         self._at_step: int | None = None  # the step of the record being counted
+        # (epochs completed, optimizer steps) at that record, for the minimum
+        self._progress: tuple[int, int] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -134,6 +215,8 @@ class EarlyStopping(Callback):
         self.stopped_epoch: int | None = None
         self.best_step: int | None = None
         self.stopped_step: int | None = None
+        self.stop_rule: str | None = None
+        self.stop_reason: str | None = None
         self.best_weights: dict[str, torch.Tensor] | None = None
 
     # -- hooks -----------------------------------------------------------------
@@ -151,19 +234,26 @@ class EarlyStopping(Callback):
         if iteration == 0:
             self.reset()
         self._stopped_now = False
+        self._progress = None
         self._fitting = True
 
     def on_epoch_end(
-        self, epoch: int, record: dict, model: torch.nn.Module
+        self,
+        epoch: int,
+        record: dict,
+        model: torch.nn.Module,
+        step: int,
+        mid_epoch: bool,
     ) -> dict | None:
-        """Runs after validation: counts a bad epoch, stops after too many."""
+        """Runs after validation: judges the value, stops when a rule says so."""
         value = self.monitor.read(record)
         if value is None or epoch < self.start_from_epoch:
             return None
         # Where this record is, for step() (whose signature subclasses keep).
         self._at_step = record.get("step")
+        self._progress = (epoch if mid_epoch else epoch + 1, step)
         if self.step(value, epoch, model):
-            return {"stop_training": True}
+            return {"stop_training": True, "stop_reason": self.stop_reason}
         return None
 
     def on_train_end(self, model: torch.nn.Module) -> None:
@@ -181,46 +271,98 @@ class EarlyStopping(Callback):
     def step(self, value: float, epoch: int, model: torch.nn.Module | None) -> bool:
         """Takes one counted record's ``value`` into account; True to stop."""
         at_step = getattr(self, "_at_step", None)  # the record's, inside epochs
+        rule = self._judge(value, epoch, at_step, model)
+        if rule is None or not self._past_minimum():
+            return False
+        self.stopped_epoch, self.stopped_step = epoch, at_step
+        self.stop_rule = rule
+        self.stop_reason = f"{self.name}: {self._why(rule, value, at_step)}"
+        self._stopped_now = True
+        return True
+
+    def _judge(
+        self, value: float, epoch: int, at_step: int | None, model: Any
+    ) -> str | None:
+        """Counts the record; the name of the rule that says stop, or None."""
         self.wait += 1
-        if self.monitor.update(value):
+        if self.check_finite and not math.isfinite(value):
+            return "check_finite"  # (never a best, not even -inf in "min")
+        improved = self.monitor.update(value)
+        if improved:
             self.best_epoch, self.best_step = epoch, at_step
             if self.restore_best and model is not None:
                 # (a sharded model: gathered on rank 0, all ranks take part)
                 self.best_weights = host_copy(model_state(model))
             if self._beats_baseline(value):
                 self.wait = 0
-            return False  # still improving: no stop, even below the baseline
-        if self.wait < self.patience:
-            return False
-        self.stopped_epoch, self.stopped_step = epoch, at_step
-        self._stopped_now = True
-        return True
+        target, hopeless = self.stopping_threshold, self.divergence_threshold
+        if target is not None and (
+            value == target or self.monitor.beats(value, target)
+        ):
+            return "stopping_threshold"
+        if hopeless is not None and self.monitor.beats(hopeless, value):
+            return "divergence_threshold"
+        if improved or self.wait < self.patience:
+            return None  # still improving: no stop, even below the baseline
+        below = self.baseline is not None and not self._beats_baseline(
+            self.monitor.best
+        )
+        return "baseline" if below else "patience"
+
+    def _past_minimum(self) -> bool:
+        """Whether ``min_epochs`` and ``min_steps`` have passed at this record
+        (True for a record fed to ``step`` by hand)."""
+        progress = getattr(self, "_progress", None)
+        if progress is None:
+            return True
+        epochs, steps = progress
+        return epochs >= self.min_epochs and steps >= self.min_steps
+
+    def _why(self, rule: str, value: float, at_step: int | None) -> str:
+        """The rule, the value and the threshold, in words."""
+        name = self.monitor.name
+        if rule == "check_finite":
+            return f"{name}={value:.6g} is not finite (check_finite=True)"
+        if rule == "stopping_threshold":
+            return (
+                f"{name}={value:.6g} reached "
+                f"stopping_threshold={self.stopping_threshold:.6g}"
+            )
+        if rule == "divergence_threshold":
+            return (
+                f"{name}={value:.6g} is worse than "
+                f"divergence_threshold={self.divergence_threshold:.6g}"
+            )
+        unit = "epoch(s)" if at_step is None else "validation(s)"
+        if rule == "baseline":  # (it trained on while it improved on the best)
+            why = (
+                f"did not beat baseline={self.baseline:.6g} in {self.wait} {unit} "
+                "and stopped improving"
+            )
+        else:
+            why = f"did not improve for {self.wait} {unit}"
+        return f"{name} {why} (patience={self.patience})"
 
     def _beats_baseline(self, value: float) -> bool:
         if self.baseline is None:
             return True
         delta = self.monitor.min_delta
+        if self.monitor.min_delta_mode == "rel":
+            delta *= abs(self.baseline)
         if self.monitor.mode == "min":
             return value < self.baseline - delta
         return value > self.baseline + delta
 
     def _message(self, restored: bool) -> str:
         name, best = self.monitor.name, self.monitor.best
-        if self.baseline is not None and not self._beats_baseline(best):
-            why = f"did not beat baseline={self.baseline:.6g}"
-        else:
-            unit = "epoch(s)" if self.stopped_step is None else "validation(s)"
-            why = f"did not improve for {self.wait} {unit}"
+        why = (self.stop_reason or "").removeprefix(f"{self.name}: ")
         if self.best_epoch is None:
             best_text = "no best value (every value was NaN or infinite)"
         else:
             where = _where(self.best_epoch, self.best_step)
             best_text = f"best {name}={best:.6g} at {where}"
         where = _where(self.stopped_epoch, self.stopped_step)
-        text = (
-            f"{self.name}: stopped after {where}: {name} {why} "
-            f"(patience={self.patience}); {best_text}"
-        )
+        text = f"{self.name}: stopped after {where}: {why}; {best_text}"
         return text + ("; restored its weights" if restored else "")
 
     # -- saved state -----------------------------------------------------------
@@ -233,6 +375,8 @@ class EarlyStopping(Callback):
             "stopped_epoch": self.stopped_epoch,
             "best_step": self.best_step,
             "stopped_step": self.stopped_step,
+            "stop_rule": self.stop_rule,
+            "stop_reason": self.stop_reason,
         }
         if self.restore_best:
             state["best_weights"] = self.best_weights
@@ -241,9 +385,10 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict) -> None:
         """Restores what ``state_dict`` returned."""
         expected = set(_STATE_KEYS) | ({"best_weights"} if self.restore_best else set())
-        # (a state saved before the steps were kept: without them)
-        if isinstance(state, dict) and set(_STEP_KEYS) <= set(state):
-            expected |= set(_STEP_KEYS)
+        # (a state saved before the steps, or the rules, were kept: without them)
+        for keys in (_STEP_KEYS, _STOP_KEYS):
+            if isinstance(state, dict) and set(keys) <= set(state):
+                expected |= set(keys)
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else state
             raise ValueError(
@@ -258,6 +403,8 @@ class EarlyStopping(Callback):
         self.stopped_epoch = _int_or_none(state["stopped_epoch"])
         self.best_step = _int_or_none(state.get("best_step"))
         self.stopped_step = _int_or_none(state.get("stopped_step"))
+        self.stop_rule = _str_or_none(state.get("stop_rule"))
+        self.stop_reason = _str_or_none(state.get("stop_reason"))
         if self.restore_best:
             weights = state["best_weights"]
             self.best_weights = None if weights is None else dict(weights)
@@ -267,12 +414,41 @@ class EarlyStopping(Callback):
             f"{self.name}(monitor={self.monitor.name!r}, mode={self.monitor.mode!r}, "
             f"min_delta={self.monitor.min_delta}, patience={self.patience}, "
             f"baseline={self.baseline}, restore_best={self.restore_best}, "
-            f"start_from_epoch={self.start_from_epoch})"
+            f"start_from_epoch={self.start_from_epoch}, "
+            f"check_finite={self.check_finite}, "
+            f"stopping_threshold={self.stopping_threshold}, "
+            f"divergence_threshold={self.divergence_threshold}, "
+            f"min_delta_mode={self.monitor.min_delta_mode!r}, "
+            f"min_epochs={self.min_epochs}, min_steps={self.min_steps})"
+        )
+
+    # -- argument checks -------------------------------------------------------
+    def _threshold(self, value: Any, kind: str) -> float | None:
+        return check_number(
+            value, f"{kind}_threshold", owner=self.name, allow_none=True,
+            example=0.05 if kind == "stopping" else 10.0,
+        )  # fmt: skip
+
+    def _check_thresholds(self) -> None:
+        target, hopeless = self.stopping_threshold, self.divergence_threshold
+        if target is None or hopeless is None or self.monitor.beats(target, hopeless):
+            return
+        way = "below" if self.monitor.mode == "min" else "above"
+        raise ValueError(
+            f"{self.name}: stopping_threshold={target:g} must be better than "
+            f"divergence_threshold={hopeless:g} (mode={self.monitor.mode!r}: "
+            f"{way} it); the value would reach one before it could reach the "
+            "other. Fix: e.g. EarlyStopping(stopping_threshold=0.05, "
+            "divergence_threshold=10.0) for a loss."
         )
 
 
 def _int_or_none(x: Any) -> int | None:
     return None if x is None else int(x)
+
+
+def _str_or_none(x: Any) -> str | None:
+    return None if x is None else str(x)
 
 
 def _where(epoch: int | None, step: int | None) -> str:

@@ -1,9 +1,10 @@
 """``ReduceLROnPlateau``: lower the learning rate when a monitored value stalls.
 
 The same rule as ``torch.optim.lr_scheduler.ReduceLROnPlateau`` with
-``threshold_mode="abs"``, checked against it epoch by epoch in the tests; it
-reads the value through ``Monitor`` (one host transfer per epoch) and sets
-the rates through ``HPOptimizer``.
+``threshold_mode="abs"`` (or ``"rel"``: ``min_delta_mode="rel"``), checked
+against it epoch by epoch in the tests; it reads the value through
+``Monitor`` (one host transfer per epoch) and sets the rates through
+``HPOptimizer``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class ReduceLROnPlateau(Callback):
         cooldown: epochs after a reduction during which bad epochs are not
             counted (>= 0).
         verbose: print one line when the lr is reduced.
+        min_delta_mode: ``"abs"`` (``min_delta`` is an amount of the value)
+            or ``"rel"`` (a fraction of the best value's size: torch's
+            ``threshold_mode="rel"`` for positive values; see ``Monitor``).
 
     Attributes:
         reductions: the epochs (0-based, of the current fit) after which (or
@@ -83,11 +87,14 @@ class ReduceLROnPlateau(Callback):
         min_lr: float | Sequence[float] = 0.0,
         cooldown: int = 0,
         verbose: bool = False,
+        min_delta_mode: str = "abs",
     ) -> None:
         self.factor = check_number(
             factor, "factor", above=0, below=1, owner=self.name, example=0.2
         )
-        self.monitor = Monitor(monitor, mode, min_delta, owner=self.name)
+        self.monitor = Monitor(
+            monitor, mode, min_delta, owner=self.name, min_delta_mode=min_delta_mode
+        )
         self.patience = check_int(patience, "patience", owner=self.name, example=2)
         self.cooldown = check_int(cooldown, "cooldown", owner=self.name, example=0)
         self.min_lr = _check_min_lr(min_lr)

@@ -46,7 +46,10 @@ class TerminateOnNaN(Callback):
     value), ``nan_iteration``, ``nan_epoch`` and ``nan_batch`` (where it
     happened: iteration since fit began, epoch, batch within the epoch) and
     ``stop_iteration`` (the last training iteration that ran). They are None
-    while all losses were finite; each fit starts afresh.
+    while all losses were finite; each fit starts afresh. The stop it returns
+    carries ``stop_reason`` (kept in ``stop_reason`` too, and in the fit's
+    ``History.stop_reason``): ``"TerminateOnNaN: training loss was nan at
+    iteration 4 (epoch 1, batch 0)"``.
 
     Args:
         check_every: seconds of wall-clock time between two checks (>= 0).
@@ -61,6 +64,8 @@ class TerminateOnNaN(Callback):
         History(2 epochs: train_loss ... -> nan, valid_loss nan)
         >>> nan.nan_iteration, nan.nan_epoch, nan.nan_batch
         (4, 1, 0)
+        >>> nan.stop_reason
+        'TerminateOnNaN: training loss was nan at iteration 4 (epoch 1, batch 0)'
     """
 
     order = 40  # before Recorder (50) and ProgressBar (60) see the stop
@@ -85,6 +90,7 @@ class TerminateOnNaN(Callback):
         self.nan_epoch: int | None = None
         self.nan_batch: int | None = None
         self.stop_iteration: int | None = None
+        self.stop_reason: str | None = None
 
     # -- hooks -----------------------------------------------------------------
     def on_train_begin(self, iteration: int) -> None:
@@ -111,14 +117,18 @@ class TerminateOnNaN(Callback):
         elif time.perf_counter() - self._last_check < self.check_every:
             return None
         if self._check(stop_iteration=iteration):
-            return {"stop_training": True, "skip_validate": True}
+            return {
+                "stop_training": True,
+                "skip_validate": True,
+                "stop_reason": self.stop_reason,
+            }
         return None
 
     def on_epoch_end(self, iteration: int) -> dict | None:
         """Runs after validation: checks the epoch's remaining losses."""
         # `iteration` already counts the epoch's last batch: it ran as iteration-1.
         if self._check(stop_iteration=iteration - 1):
-            return {"stop_training": True}
+            return {"stop_training": True, "stop_reason": self.stop_reason}
         return None
 
     # -- checking --------------------------------------------------------------
@@ -139,6 +149,10 @@ class TerminateOnNaN(Callback):
             return False
         self.nan_loss, self.nan_iteration, self.nan_epoch, self.nan_batch = bad
         self.stop_iteration = stop_iteration
+        self.stop_reason = (
+            f"{self.name}: training loss was {self.nan_loss} at iteration "
+            f"{self.nan_iteration} (epoch {self.nan_epoch}, batch {self.nan_batch})"
+        )
         if ranks.is_main():
             print(self._message(), file=sys.stderr)
         return True
@@ -157,9 +171,7 @@ class TerminateOnNaN(Callback):
 
     def _message(self) -> str:
         where = (
-            f"fitlib: TerminateOnNaN: training loss was {self.nan_loss} at "
-            f"iteration {self.nan_iteration} (epoch {self.nan_epoch}, batch "
-            f"{self.nan_batch}); training stopped after iteration "
+            f"fitlib: {self.stop_reason}; training stopped after iteration "
             f"{self.stop_iteration}."
         )
         if self.check_every == 0:

@@ -27,7 +27,7 @@ def feed(cb, values, first_epoch=0, model=None):
         update = call_hook(cb, "on_epoch_end", epoch=epoch, last_metrics=last,
                            record=record, model=model)  # fmt: skip
         if update is not None:
-            assert update == {"stop_training": True}
+            assert update == {"stop_training": True, "stop_reason": cb.stop_reason}
             stops.append(epoch)
             break  # as fit does
     return stops
@@ -210,6 +210,22 @@ def test_the_baseline_message_says_it_was_not_beaten(capsys):
     assert "did not beat baseline=0.5" in capsys.readouterr().out
 
 
+def test_a_baseline_stop_after_slow_improvement_says_how_long_it_was_not_beaten(
+    capsys,
+):
+    # Improving on the best never stops training, baseline or not: this loss
+    # improves for 5 epochs, far from the baseline, then stops improving.
+    cb = EarlyStopping(baseline=0.01, patience=1)
+    begin(cb)
+    assert feed(cb, [0.9, 0.8, 0.7, 0.6, 0.5, 0.55]) == [5]
+    call_hook(cb, "on_train_end", model=torch.nn.Linear(2, 1))
+    assert capsys.readouterr().out == (
+        "EarlyStopping: stopped after epoch 5: valid_loss did not beat "
+        "baseline=0.01 in 6 epoch(s) and stopped improving (patience=1); best "
+        "valid_loss=0.5 at epoch 4\n"
+    )
+
+
 # -- saved state -----------------------------------------------------------------
 def round_trip(state):
     buf = io.BytesIO()
@@ -239,7 +255,8 @@ def test_the_state_holds_the_best_weights_as_tensors_when_restore_best():
     feed(cb, [1.0], model=model)
     state = round_trip(cb.state_dict())
     assert set(state) == {"monitor", "wait", "best_epoch", "stopped_epoch",
-                          "best_step", "stopped_step", "best_weights"}  # fmt: skip
+                          "best_step", "stopped_step", "stop_rule", "stop_reason",
+                          "best_weights"}  # fmt: skip
     assert torch.equal(state["best_weights"]["weight"], model.weight)
     other = EarlyStopping(restore_best=True)
     other.load_state_dict(state)
@@ -467,3 +484,277 @@ def test_on_a_gpu_the_best_weights_are_kept_on_the_host_and_restored():
     for key, value in model.state_dict().items():
         assert value.is_cuda
         assert torch.equal(value, snaps.weights[stop.best_epoch][key]), key
+
+
+# -- the stopping rules: check_finite, thresholds, min_delta_mode ---------------
+# Lightning's threshold cases (patience 3, its default): values per epoch ->
+# the epoch after which training stops, and the rule that stops it.
+THRESHOLDS = [
+    (None, None, [8, 4, 2, 3, 4, 5, 8, 10], 5, "patience"),
+    (2.9, None, [9, 8, 7, 6, 5, 6, 4, 3, 2, 1], 8, "stopping_threshold"),
+    (None, 15.9, [9, 4, 2, 16, 32, 64], 3, "divergence_threshold"),
+]
+
+
+@pytest.mark.parametrize(("target", "hopeless", "values", "stop", "rule"), THRESHOLDS)
+def test_the_thresholds_stop_where_lightnings_stop(
+    target, hopeless, values, stop, rule
+):
+    floats = [float(v) for v in values]
+    stops, cb = scripted(
+        floats, patience=3, stopping_threshold=target, divergence_threshold=hopeless
+    )
+    assert stops == [stop] and cb.stopped_epoch == stop and cb.stop_rule == rule
+
+
+def test_each_stop_says_the_rule_the_value_and_the_threshold():
+    reasons = {
+        "EarlyStopping: valid_loss=2 reached stopping_threshold=2.9":
+            dict(values=[9.0, 2.0], stopping_threshold=2.9),
+        "EarlyStopping: valid_loss=16 is worse than divergence_threshold=15.9":
+            dict(values=[9.0, 16.0], divergence_threshold=15.9),
+        "EarlyStopping: valid_loss=nan is not finite (check_finite=True)":
+            dict(values=[9.0, math.nan], check_finite=True, patience=5),
+        "EarlyStopping: valid_loss did not improve for 2 epoch(s) (patience=2)":
+            dict(values=[9.0, 9.5, 9.5], patience=2),
+        "EarlyStopping: valid_loss did not beat baseline=1 in 2 epoch(s) and "
+        "stopped improving (patience=2)":
+            dict(values=[9.0, 9.5], patience=2, baseline=1.0),
+    }  # fmt: skip
+    for reason, kwargs in reasons.items():
+        stops, cb = scripted(kwargs.pop("values"), **kwargs)
+        assert stops and cb.stop_reason == reason
+    assert cb.stop_rule == "baseline"
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -math.inf])
+def test_check_finite_stops_at_a_nan_or_infinite_value_as_lightning(bad):
+    values = [4.0, 3.0, bad, 2.0, 1.0]
+    stops, cb = scripted(values, check_finite=True, patience=3)
+    assert stops == [2] and cb.stop_rule == "check_finite"
+    assert cb.monitor.best == 3.0 and cb.best_epoch == 1  # -inf is no best
+    stops, cb = scripted(values, patience=3)  # off: a bad epoch, as any other
+    assert stops == [] and cb.monitor.best in (1.0, -math.inf)
+
+
+def test_stopping_threshold_counts_reaching_it_and_divergence_only_passing_it():
+    assert scripted([1.0, 0.5], stopping_threshold=0.5, patience=9)[0] == [1]
+    assert scripted([1.0, 2.0], divergence_threshold=2.0, patience=9)[0] == []
+    assert scripted([1.0, 2.01], divergence_threshold=2.0, patience=9)[0] == [1]
+    # In "max" mode the directions turn: a score reaches a target from below.
+    cb = EarlyStopping("accuracy", stopping_threshold=0.9, divergence_threshold=0.1,
+                       patience=9)  # fmt: skip
+    begin(cb, metrics=[accuracy])
+    assert feed_named(cb, "accuracy", [0.5, 0.8, 0.9]) == [2]
+    cb = EarlyStopping("accuracy", divergence_threshold=0.1, patience=9)
+    begin(cb, metrics=[accuracy])
+    assert feed_named(cb, "accuracy", [0.5, 0.1, 0.05]) == [2]
+
+
+def test_a_threshold_reached_with_a_new_best_is_the_best_epoch_restored():
+    model = torch.nn.Linear(2, 1)
+    cb = EarlyStopping(stopping_threshold=0.5, restore_best=True)
+    begin(cb)
+    with torch.no_grad():
+        for epoch, v in enumerate([1.0, 0.8, 0.4]):
+            model.weight.fill_(epoch)
+            stops = feed(cb, [v], first_epoch=epoch, model=model)
+    assert stops == [2] and cb.best_epoch == 2
+    assert torch.equal(cb.best_weights["weight"], torch.full((1, 2), 2.0))
+
+
+def test_a_relative_min_delta_asks_for_a_fraction_of_the_best():
+    values = [100.0, 99.5, 98.9, 98.5]
+    # 1% of 100 is 1: 99.5 is a bad epoch, 98.9 improves, 98.5 (< 1% of 98.9) is bad.
+    stops, cb = scripted(values, min_delta=0.01, min_delta_mode="rel", patience=2)
+    assert stops == [] and cb.best_epoch == 2 and cb.wait == 1
+    # The same min_delta as an amount: every epoch improves.
+    stops, cb = scripted(values, min_delta=0.01, patience=1)
+    assert stops == [] and cb.best_epoch == 3 and cb.wait == 0
+
+
+def feed_named(cb, name, values, first_epoch=0):
+    """As feed, with the values as the metric ``name`` (valid_loss 1.0)."""
+    stops = []
+    for epoch, v in enumerate(values, first_epoch):
+        last = [torch.tensor(1.0), torch.tensor(v, dtype=torch.float64)]
+        record = scripted_record(last_metrics=last, names=[name], epoch=epoch)
+        if call_hook(cb, "on_epoch_end", epoch=epoch, record=record):
+            stops.append(epoch)
+            break
+    return stops
+
+
+# Ignite's cases (mode "max", its scores per call -> the call that stops, or
+# None): the same rule, its count reaching patience. Its cumulative_delta=True
+# is fitlib's rule: min_delta is measured from the best, which moves only on
+# an improvement by more than min_delta.
+IGNITE = [
+    ("simple", [1.0, 0.8, 0.88], 2, 0.0, 2),
+    ("state", [1.0, 0.8, 0.88], 2, 0.0, 2),
+    ("on_delta", [1.0, 2.0, 2.01, 3.0, 3.01, 3.02], 2, 0.1, 5),
+    ("cumulative_delta", [0.0, 0.3, 0.6], 2, 0.4, None),
+    ("plateau", [42.0, 42.0], 1, 0.0, 1),
+    ("no_stop", [1.0, 0.8, 1.2], 2, 0.0, None),
+    ("engine", [1.0, 0.8, 1.2, 1.5, 0.9, 1.0, 0.99, 1.1, 0.9], 3, 0.0, 6),
+    ("engine_plateau", [0.047] * 10, 4, 0.0, 4),
+    ("engine_no_stop", [1.0, 0.8, 1.2, 1.23, 0.9, 1.0, 1.1, 1.253, 1.26, 1.2], 5,
+     0.0, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scores", "patience", "min_delta", "stop"),
+    [c[1:] for c in IGNITE],
+    ids=[c[0] for c in IGNITE],
+)
+def test_stops_where_ignite_stops(scores, patience, min_delta, stop):
+    cb = EarlyStopping("accuracy", patience=patience, min_delta=min_delta)
+    begin(cb, metrics=[accuracy])
+    assert feed_named(cb, "accuracy", scores) == ([] if stop is None else [stop])
+
+
+@pytest.mark.parametrize(("patience", "start"), [(3, 2), (0, 2)])
+def test_with_start_from_epoch_at_least_patience_plus_start_epochs_run_as_keras(
+    patience, start
+):
+    stops, _ = scripted([1.0] * 20, patience=patience, start_from_epoch=start)
+    assert stops and stops[0] + 1 >= patience + start
+
+
+# -- min_epochs and min_steps ----------------------------------------------------
+def feed_at(cb, values, epochs, steps, mid=()):
+    """on_epoch_end per value at the given epochs and steps (mid: inside an
+    epoch); the index of the record that stops, or None."""
+    for i, (v, epoch, step) in enumerate(zip(values, epochs, steps)):
+        record = scripted_record(last_metrics=[torch.tensor(v)], epoch=epoch)
+        if call_hook(cb, "on_epoch_end", epoch=epoch, record=record, step=step,
+                     mid_epoch=i in mid):  # fmt: skip
+            return i
+    return None
+
+
+def test_no_rule_stops_before_min_epochs_and_each_later_record_is_judged_again():
+    cb = EarlyStopping(patience=1, min_epochs=4)
+    begin(cb)
+    # Patience runs out at epoch 1; epoch 3 completes the 4th epoch but
+    # improves: no stop; epoch 4 does not improve: stop.
+    assert feed_at(cb, [1.0, 1.0, 1.0, 0.5, 0.6], range(5), range(0, 50, 10)) == 4
+    assert cb.stop_rule == "patience" and cb.wait == 1
+    cb = EarlyStopping(stopping_threshold=0.5, min_epochs=3, patience=9)
+    begin(cb)
+    # Reached at epoch 0, not at epoch 2 (the 3rd epoch): no stop; at epoch 3.
+    assert feed_at(cb, [0.4, 0.45, 0.6, 0.3], range(4), range(4)) == 3
+
+
+def test_a_validation_inside_an_epoch_counts_the_epochs_completed_before_it():
+    cb = EarlyStopping(check_finite=True, min_epochs=2)
+    begin(cb)
+    # Inside epoch 1 one epoch has completed; at epoch 1's end two have.
+    assert feed_at(cb, [math.nan] * 2, [1, 1], [15, 20], mid={0}) == 1
+    cb = EarlyStopping(check_finite=True, min_epochs=2)
+    begin(cb)
+    assert feed_at(cb, [math.nan], [2], [25], mid={0}) == 0  # two completed
+
+
+def test_no_rule_stops_before_min_steps():
+    cb = EarlyStopping(check_finite=True, min_steps=30)
+    begin(cb)
+    assert feed_at(cb, [math.nan] * 4, range(4), [10, 20, 30, 40]) == 2
+
+
+# Lightning's min_epochs/min_steps cases: (batches per epoch, min_epochs,
+# min_steps) with a rule that says stop at every record. Lightning stops at
+# the first step past the minimum; here at the first record past it, the
+# epoch's end: the epochs that run are the same.
+MINIMUMS = [(3, 0, 10), (5, 0, 10), (3, 2, 0), (5, 2, 0), (3, 1, 10), (5, 1, 10),
+            (3, 3, 10), (5, 3, 10)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("batches", "min_epochs", "min_steps"), MINIMUMS)
+def test_through_fit_min_epochs_and_min_steps_hold_back_the_stop_as_lightning(
+    batches, min_epochs, min_steps
+):
+    stop = EarlyStopping(stopping_threshold=math.inf, min_epochs=min_epochs,
+                         min_steps=min_steps)  # fmt: skip
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    data = make_data(n_train=16 * batches)
+    history = fit(20, model, F.cross_entropy, opt, data, [stop])
+    epochs = max(math.ceil(min_steps / batches), min_epochs, 1)
+    assert len(history) == epochs and stop.stopped_epoch == epochs - 1
+    assert history.stop_reason == stop.stop_reason
+    assert "reached stopping_threshold=inf" in history.stop_reason
+
+
+# -- their arguments -------------------------------------------------------------
+def test_bad_thresholds_flags_and_minimums_raise_before_training():
+    with pytest.raises(TypeError, match="stopping_threshold must be a number or None"):
+        EarlyStopping(stopping_threshold="0.1")
+    with pytest.raises(ValueError, match="divergence_threshold must be a number"):
+        EarlyStopping(divergence_threshold=math.nan)
+    better = r"stopping_threshold=5 must be better than divergence_threshold=1"
+    with pytest.raises(ValueError, match=better + r" \(mode='min': below it\)"):
+        EarlyStopping(stopping_threshold=5, divergence_threshold=1)
+    with pytest.raises(ValueError, match=r"mode='max': above it"):
+        EarlyStopping("accuracy", stopping_threshold=0.1, divergence_threshold=0.5)
+    with pytest.raises(TypeError, match="check_finite must be True or False"):
+        EarlyStopping(check_finite="yes")
+    with pytest.raises(ValueError, match="min_epochs must be an int >= 0; got -1"):
+        EarlyStopping(min_epochs=-1)
+    with pytest.raises(TypeError, match="min_steps must be an int"):
+        EarlyStopping(min_steps=2.5)
+    with pytest.raises(ValueError, match="EarlyStopping: min_delta_mode must be"):
+        EarlyStopping(min_delta_mode="percent")
+
+
+# -- the reason through fit, and resume ------------------------------------------
+def test_through_fit_the_history_and_the_printed_line_say_which_rule_fired(capsys):
+    stop = EarlyStopping(divergence_threshold=1.5, patience=50)
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=50.0)  # it diverges
+    history = fit(20, model, F.cross_entropy, opt, make_data(), [stop])
+    assert stop.stop_rule == "divergence_threshold" and len(history) < 20
+    assert history.stop_reason == stop.stop_reason
+    assert history.stop_reason.startswith("EarlyStopping: valid_loss=")
+    assert history.stop_reason.endswith(" is worse than divergence_threshold=1.5")
+    out = capsys.readouterr().out
+    assert "is worse than divergence_threshold=1.5; best valid_loss=" in out
+
+
+def test_a_resumed_fit_with_the_rules_on_equals_an_unbroken_one(tmp_path):
+    from helpers import Crash
+
+    from fitlib.callbacks import Checkpoint
+
+    def run(crash=None, directory=None):
+        stop = EarlyStopping(patience=1, min_delta=0.02, min_delta_mode="rel",
+                             min_epochs=4, check_finite=True, restore_best=True,
+                             divergence_threshold=100.0)  # fmt: skip
+        model = make_model()
+        opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.5)
+        cbs = [stop] + ([] if crash is None else [Crash(crash)])
+        if directory is not None:
+            cbs.append(Checkpoint(directory, every_n_steps=3))
+        history = fit(30, model, F.cross_entropy, opt, make_data(), cbs)
+        return model, stop, history
+
+    model, stop, history = run()
+    # Epoch 2 does not improve (patience 1), but min_epochs=4 holds the stop
+    # back; epoch 3 improves, epoch 4 does not: it stops there.
+    assert stop.stop_rule == "patience" and stop.stopped_epoch == 4
+    assert stop.best_epoch == 3
+    for crash in (9, 31):  # in epochs 1 and 4 (7 batches each)
+        with pytest.raises(RuntimeError, match="crash"):
+            run(crash, tmp_path)
+    resumed_model, resumed, resumed_history = run(directory=tmp_path)
+    for key in ("stopped_epoch", "best_epoch", "wait", "stop_rule", "stop_reason"):
+        assert getattr(resumed, key) == getattr(stop, key), key
+    assert resumed.monitor.best == stop.monitor.best
+    assert resumed_history.stop_reason == history.stop_reason
+    untimed = [{k: v for k, v in r.items() if k != "time"} for r in history]
+    assert [{k: v for k, v in r.items() if k != "time"} for r in resumed_history] == (
+        untimed[-len(resumed_history) :]
+    )
+    for a, b in zip(model.state_dict().values(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b)

@@ -87,6 +87,28 @@ def test_lrs_equal_torchs_reduce_lr_on_plateau_epoch_by_epoch(scenario):
     assert len(cb.reductions) >= 2  # the scenario does exercise reductions
 
 
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_relative_min_delta_reduces_as_torchs_rel_threshold_mode(mode):
+    values = noisy_descent(40, 3)  # positive values, where the rules agree
+    values = values if mode == "min" else [2 - v for v in values]
+    ours, theirs = (
+        make_opt((0.1,)),
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1),
+    )
+    torch_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        theirs, mode, 0.5, 1, 0.03, "rel"
+    )
+    cb = ReduceLROnPlateau("valid_loss", 0.5, 1, 0.03, mode, min_delta_mode="rel")
+    begin(cb, ours, metrics=())
+    for epoch, value in enumerate(values):
+        feed(cb, ours, [value], epoch)
+        torch_plateau.step(value)
+        assert ours.get("lr") == [g["lr"] for g in theirs.param_groups], epoch
+    assert len(cb.reductions) >= 2
+    with pytest.raises(ValueError, match="ReduceLROnPlateau: min_delta_mode must"):
+        ReduceLROnPlateau(min_delta_mode="relative")
+
+
 def test_a_floor_stops_the_reductions_and_is_not_recorded_as_one():
     opt = make_opt((0.1,))
     cb = ReduceLROnPlateau(factor=0.5, min_lr=0.03)

@@ -3,14 +3,22 @@ import time
 
 import pytest
 import torch
-from helpers import make_data, train
+from helpers import make_data, make_model, train
 from torch.nn import functional as F  # noqa: N812
 
-from fitlib import Callback
+from fitlib import Callback, HPOptimizer, fit
 from fitlib.callback import call_hook
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 
 STOP_NOW = {"stop_training": True, "skip_validate": True}
+
+
+def stops(update, skip_validate=True):
+    """Whether ``update`` stops training (its stop_reason aside)."""
+    expected = STOP_NOW if skip_validate else {"stop_training": True}
+    return update is not None and {**update, "stop_reason": None} == {
+        **expected, "stop_reason": None
+    }  # fmt: skip
 
 
 @pytest.fixture
@@ -43,7 +51,7 @@ def test_no_check_before_check_every_seconds_pass(clock):
         assert batch(cb, math.nan, i) is None
     assert cb.nan_iteration is None  # the NaN is pending, not yet seen
     clock["now"] = 1.0
-    assert batch(cb, 1.0, 3) == STOP_NOW
+    assert stops(batch(cb, 1.0, 3))
     assert cb.nan_iteration == 0
 
 
@@ -54,7 +62,7 @@ def test_the_check_reports_the_first_bad_loss_among_several(clock, capsys):
     for i, loss in enumerate(losses):
         assert batch(cb, loss, iteration=10 + i, epoch=1, num_batch=3 + i) is None
     clock["now"] = 2.5
-    assert batch(cb, 0.1, iteration=16, epoch=1, num_batch=9) == STOP_NOW
+    assert stops(batch(cb, 0.1, iteration=16, epoch=1, num_batch=9))
     assert (cb.nan_iteration, cb.nan_epoch, cb.nan_batch) == (12, 1, 5)
     assert cb.nan_loss == math.inf
     assert cb.stop_iteration == 16
@@ -72,7 +80,7 @@ def test_epoch_end_always_checks_and_does_not_skip_validation(clock, capsys):
     assert batch(cb, math.nan, 1) is None
     assert batch(cb, 2.0, 2) is None
     # Validation ran already: only stop_training, and the last batch was 2.
-    assert call_hook(cb, "on_epoch_end", iteration=3) == {"stop_training": True}
+    assert stops(call_hook(cb, "on_epoch_end", iteration=3), skip_validate=False)
     assert (cb.nan_iteration, cb.nan_batch, cb.stop_iteration) == (1, 1, 2)
     assert math.isnan(cb.nan_loss)
     assert "stopped after iteration 2" in capsys.readouterr().err
@@ -98,14 +106,14 @@ def test_check_every_zero_stops_at_the_bad_batch_itself(clock):
     cb = TerminateOnNaN(check_every=0)
     call_hook(cb, "on_train_begin")
     assert batch(cb, 1.0, 0) is None
-    assert batch(cb, math.nan, 1) == STOP_NOW
+    assert stops(batch(cb, math.nan, 1))
     assert cb.nan_iteration == cb.stop_iteration == 1
 
 
 def test_only_the_first_bad_loss_is_reported(clock, capsys):
     cb = TerminateOnNaN(check_every=0)
     call_hook(cb, "on_train_begin")
-    assert batch(cb, math.nan, 0) == STOP_NOW
+    assert stops(batch(cb, math.nan, 0))
     assert batch(cb, math.inf, 1) is None  # e.g. another callback kept going
     assert call_hook(cb, "on_epoch_end", iteration=2) is None
     assert cb.nan_iteration == 0
@@ -173,6 +181,36 @@ def test_fit_with_a_frozen_clock_stops_at_the_epoch_end(monkeypatch):
     assert loss_func.train_calls == 14  # and no epoch 2
 
 
+def test_its_stop_reason_names_the_bad_loss_and_where_it_was(clock):
+    cb = TerminateOnNaN(check_every=2.0)
+    call_hook(cb, "on_train_begin")
+    for i, loss in enumerate([1.0, math.inf, math.nan]):
+        batch(cb, loss, iteration=10 + i, epoch=1, num_batch=3 + i)
+    clock["now"] = 2.5
+    reason = "TerminateOnNaN: training loss was inf at iteration 11 (epoch 1, batch 4)"
+    assert batch(cb, 0.1, iteration=13, epoch=1, num_batch=6) == {
+        **STOP_NOW, "stop_reason": reason
+    }  # fmt: skip
+    assert cb.stop_reason == reason
+    other = TerminateOnNaN(check_every=60.0)  # found at the epoch end
+    call_hook(other, "on_train_begin")
+    batch(other, math.nan, iteration=0)
+    update = call_hook(other, "on_epoch_end", iteration=1)
+    where = "training loss was nan at iteration 0 (epoch 0, batch 0)"
+    assert update == {"stop_training": True, "stop_reason": f"TerminateOnNaN: {where}"}
+
+
+def test_through_fit_the_history_says_which_loss_was_not_finite():
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    cb = TerminateOnNaN(check_every=0)
+    history = fit(3, model, NaNFrom(9), opt, make_data(), [cb])
+    assert history.stop_reason == (
+        "TerminateOnNaN: training loss was nan at iteration 9 (epoch 1, batch 2)"
+    )
+    assert cb.stop_reason == history.stop_reason
+
+
 def test_fit_without_nan_runs_every_epoch():
     loss_func, cb = NaNFrom(10**6), TerminateOnNaN(check_every=0)
     train([cb], epochs=3, loss_func=loss_func)
@@ -226,7 +264,7 @@ def test_check_every_inf_checks_only_at_epoch_ends(clock, capsys):
     call_hook(cb, "on_train_begin")
     clock["now"] = 1e9
     assert batch(cb, math.nan, 0) is None
-    assert call_hook(cb, "on_epoch_end", iteration=1) == {"stop_training": True}
+    assert stops(call_hook(cb, "on_epoch_end", iteration=1), skip_validate=False)
     assert "checked at each epoch end" in capsys.readouterr().err
 
 
@@ -266,7 +304,7 @@ def test_every_rank_stops_when_one_has_a_bad_loss(clock, two_ranks, capsys):
     two_ranks["rank0"] = ((math.inf, 2, 0, 2), 3.0)  # rank 0's loss at iteration 2
     assert batch(cb, 1.0, 1) is None
     assert batch(cb, 1.0, 2) is None
-    assert batch(cb, 1.0, 3) == STOP_NOW  # the agreed check: this rank stops too
+    assert stops(batch(cb, 1.0, 3))  # the agreed check: this rank stops too
     assert (cb.nan_loss, cb.nan_iteration, cb.stop_iteration) == (math.inf, 2, 3)
     assert capsys.readouterr().err == ""  # rank 0 says it, once
 
@@ -277,5 +315,5 @@ def test_the_epoch_end_check_is_agreed_too(clock, two_ranks):
     for i in range(4):
         batch(cb, 1.0, i)
     two_ranks["rank0"] = ((math.nan, 3, 0, 3), math.inf)
-    assert call_hook(cb, "on_epoch_end", iteration=4) == {"stop_training": True}
+    assert stops(call_hook(cb, "on_epoch_end", iteration=4), skip_validate=False)
     assert cb.nan_iteration == 3
