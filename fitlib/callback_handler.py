@@ -37,6 +37,7 @@ from fitlib.record import EpochTally, Record, check_added, check_record_names, s
 from fitlib.running_loss import SMOOTH_BETA, batch_size, loss_count
 from fitlib.sharding import unwrap
 from fitlib.structure import map_tensors
+from fitlib.time_budget import TimeBudget
 
 _SWAPPABLE = frozenset(("model", "opt", "loss_func", "metrics"))
 # Read only because the record is built from them before on_epoch_end.
@@ -193,9 +194,24 @@ def _same_metrics(owner: str, old: Metrics, new: Any) -> Metrics:
     return new
 
 
+def _check_one_time_limit(callbacks: list[Callback]) -> None:
+    """Refuses ``fit(max_time=...)`` beside a ``TimeLimit`` callback: two
+    budgets, one of them silently the one that counts."""
+    for cb in callbacks:
+        if isinstance(getattr(inner_callback(cb), "budget", None), TimeBudget):
+            raise ValueError(
+                f"fit got max_time and the callback {cb!r}, two time limits. "
+                "Fix: keep one: drop max_time, or the callback (max_time adds "
+                "a TimeLimit's check)."
+            )
+
+
 def _same_hyper(a: str, b: str) -> bool:
     """Whether two ``sets_hypers`` names set one value: ``lr`` (every
     part's) and ``decoder.lr`` (one part's) do, two parts' ``lr`` do not."""
+    attributes = ("model.", "loss_func.")  # a path: "loss_func.eps" is not "eps"
+    if a.startswith(attributes) or b.startswith(attributes):
+        return a == b
     part_a, _, hyper_a = a.rpartition(".")
     part_b, _, hyper_b = b.rpartition(".")
     return hyper_a == hyper_b and (part_a == part_b or not part_a or not part_b)
@@ -230,8 +246,15 @@ class CallbackHandler:
         >>> handler.on_train_end(None)
     """
 
-    def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
+    def __init__(
+        self, callbacks: Iterable[Callback] | None = None, max_time: Any = None
+    ) -> None:
         cbs = callback_list(callbacks)
+        # fit(max_time=...): the handler's own clock, as max_steps is its own.
+        self.time_budget = None
+        if max_time is not None:
+            self.time_budget = TimeBudget(max_time, owner="fit")
+            _check_one_time_limit(cbs)
         if not ranks.is_main():  # another rank of a distributed run: no side effects
             cbs = [cb for cb in cbs if not cb.main_only]
         self.callbacks = sorted(cbs, key=lambda cb: cb.order)
@@ -358,7 +381,7 @@ class CallbackHandler:
             update = dict(update)
             self._add_to_record(cb, update.pop("record"))
         if "stop_training" in update or "stop_reason" in update:
-            update = _with_reason(cb, event, update, self.state["stop_reason"])
+            update = _with_reason(cb, event, update, self.state)
         self.state.update(update)
         # skip_validate set during the batches: no validation at all (a NaN
         # loss), not even one asked for before it.
@@ -447,6 +470,8 @@ class CallbackHandler:
         if n_steps is not None:
             self.state["n_steps"] = min(n_steps, max_steps or n_steps)
         self("on_train_begin")
+        if self.time_budget is not None:  # (after a Checkpoint's resume)
+            self.time_budget.start(self.state["iteration"])
 
     def on_epoch_begin(self) -> bool:
         """Returns True when no epoch must start (``stop_training`` is set)."""
@@ -545,6 +570,8 @@ class CallbackHandler:
                 state["stop_reason"] = (
                     state["stop_reason"] or f"max_steps={budget} reached"
                 )
+            if self.time_budget is not None:
+                self._check_time()
         state["num_batch"] += 1
         if self.interrupted:
             raise KeyboardInterrupt("training stopped after the batch in progress")
@@ -596,11 +623,24 @@ class CallbackHandler:
                 self._add_to_record(cb, missing)
         self.history.append(state["record"])
         state["validate_now"] = False
+        if self.time_budget is not None and not mid_epoch:
+            self._check_time(epoch_end=True)
         if mid_epoch:
             self.tally.start()  # the next record: the training from here on
         else:
             state["epoch"] += 1
         return state["stop_training"]
+
+    def _check_time(self, epoch_end: bool = False) -> None:
+        """``fit(max_time=...)``: suspends once the budget is spent (unless
+        training stops anyway), as a ``TimeLimit`` does."""
+        state = self.state
+        if state["stop_training"]:
+            return
+        reason = self.time_budget.spent(state["iteration"], epoch_end)
+        if reason is not None:
+            state["suspend"] = True
+            state["stop_reason"] = state["stop_reason"] or reason
 
     def on_train_end(self, exception: BaseException | None) -> None:
         """Runs every callback's hook even if one fails, so all can clean up.
@@ -609,9 +649,12 @@ class CallbackHandler:
         failed: then it becomes a note on that exception, which propagates.
         """
         self._graph = None  # the last step's (see on_batch_end)
+        if self.time_budget is not None:
+            self.time_budget.stop()
         swap_class_dims(self._outer_class_dims)
         if isinstance(self.history, History):
             self.history.stop_reason = self.state.get("stop_reason")
+            self.history.suspended = self._suspended()
         failures, state = [], {**self.state, "exception": exception}
         for cb, hook in self._hooks["on_train_end"]:
             try:
@@ -624,6 +667,16 @@ class CallbackHandler:
             raise failures[0]
         for e in failures:
             add_note(exception, f"fitlib: while ending, also: {e!r}")
+
+    def _suspended(self) -> bool:
+        """Whether the fit ends suspended (``suspend``): before its end, to be
+        resumed, not finished by a stop or by reaching its epochs or steps."""
+        state = self.state
+        n_epochs, max_steps = state.get("n_epochs"), state.get("max_steps")
+        reached = (n_epochs is not None and state.get("epoch", 0) >= n_epochs) or (
+            max_steps is not None and state.get("step", 0) >= max_steps
+        )
+        return bool(state.get("suspend")) and not (reached or state["stop_training"])
 
     @contextmanager
     def deferred_interrupt(self) -> Iterator[None]:
@@ -658,11 +711,13 @@ class CallbackHandler:
                 signal.signal(signal.SIGINT, previous)
 
 
-def _with_reason(cb: Callback, event: str, update: dict, reason: str | None) -> dict:
+def _with_reason(cb: Callback, event: str, update: dict, state: dict) -> dict:
     """``update`` with its ``stop_reason`` checked, or the callback's name as
-    the reason of a ``stop_training`` that gives none (the first reason
-    stands: a later stop of the same batch does not replace it)."""
-    given = update.get("stop_reason")
+    the reason of a ``stop_training`` that gives none. The first reason
+    stands (a later stop of the same batch does not replace it), until a
+    ``stop_training`` set False lets training go on: then there is none,
+    unless the fit is suspended (``suspend`` has its own)."""
+    given, reason = update.get("stop_reason"), state["stop_reason"]
     if given is not None and not isinstance(given, str):
         raise TypeError(
             f"{cb.name}.{event} returned stop_reason={given!r} "
@@ -670,7 +725,11 @@ def _with_reason(cb: Callback, event: str, update: dict, reason: str | None) -> 
             "Fix: e.g. {'stop_training': True, 'stop_reason': 'loss below 0.1'}."
         )
     if update.get("stop_training"):
-        given = reason or given or f"{cb.name} stopped training"
-    elif reason is not None:
-        given = reason
-    return update if given is None else {**update, "stop_reason": given}
+        return {
+            **update,
+            "stop_reason": reason or given or f"{cb.name} stopped training",
+        }
+    goes_on = "stop_training" in update and not (
+        state["suspend"] or update.get("suspend")
+    )
+    return {**update, "stop_reason": given if goes_on else reason or given}

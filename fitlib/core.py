@@ -27,10 +27,11 @@ from fitlib.checks import (
     check_model,
     check_trainable,
 )
-from fitlib.data import batches, model_device
+from fitlib.data import batches, limit_batches, model_device
 from fitlib.errors import ArgTypeError, describe, name_of, reraise
 from fitlib.history import History
 from fitlib.loss_checks import loss_check
+from fitlib.losses import as_loss
 from fitlib.metrics.collection import Metrics
 from fitlib.model_errors import explain_model_error
 from fitlib.multi_optimizer import MultiOptimizer, as_optimizer
@@ -53,6 +54,11 @@ def fit(
     metrics: list | None = None,
     max_steps: int | None = None,
     train_metrics: list | None = None,
+    *,
+    max_time: Any = None,
+    train_batches: int | None = None,
+    valid_batches: int | None = None,
+    loss_weights: dict | list | None = None,
 ) -> History:
     """Trains ``model`` for ``epochs`` epochs, validating after each (or when
     a ``ValidationSchedule`` says).
@@ -74,7 +80,9 @@ def fit(
             (``train_<part>``, ``valid_<part>``, over the batches that have
             it; a loss whose parts vary by batch lists them all in its
             ``part_names``). None for a model that computes its own loss:
-            ``output.loss`` or ``output["loss"]``.
+            ``output.loss`` or ``output["loss"]``. A dict output name ->
+            loss (a list for a tuple output) is a ``LossDict``: each output's
+            loss is a part of the record, their weighted sum the loss.
         opt: an ``HPOptimizer``, or a torch optimizer (wrapped in one); for
             several optimizers, a ``MultiOptimizer`` or a dict part name ->
             optimizer (made into one).
@@ -85,6 +93,17 @@ def fit(
             epoch in progress still validates), or None.
         train_metrics: computed over the training batches each epoch (in
             train mode, as the model trains), reported as ``train_<name>``.
+        max_time: a wall-clock budget for this fit (seconds, a
+            ``timedelta``, ``"DD:HH:MM:SS"`` or a dict of ``timedelta``'s
+            arguments), or None: once spent, the fit is suspended after the
+            batch in progress, resumable by a ``Checkpoint``, as a
+            ``TimeLimit`` callback does (pass one or the other).
+        train_batches: train on at most this many batches per epoch (the
+            first of each epoch's order), or None for all; the fit's
+            ``n_steps``, schedules, bar and checkpoints count the capped epoch.
+        valid_batches: validate on at most this many batches, or None for all.
+        loss_weights: with a dict (or list) of losses, a number >= 0 per
+            output (default 1), Keras's ``loss_weights``.
 
     Examples:
         >>> from torch.utils.data import DataLoader, TensorDataset
@@ -111,6 +130,10 @@ def fit(
         max_steps,
         train_metrics,
         history=history,
+        max_time=max_time,
+        train_batches=train_batches,
+        valid_batches=valid_batches,
+        loss_weights=loss_weights,
     ):
         pass
     return history
@@ -128,6 +151,10 @@ def fit_states(
     train_metrics: list | None = None,
     *,
     history: list | None = None,
+    max_time: Any = None,
+    train_batches: int | None = None,
+    valid_batches: int | None = None,
+    loss_weights: dict | list | None = None,
 ) -> Iterator[dict]:
     """The training loop, one batch at a time: ``fit`` drains it.
 
@@ -137,7 +164,9 @@ def fit_states(
     it when nothing else refers to it; if you keep it in a variable, call its
     ``close()`` (until then the Ctrl-C handler of the loop stays installed).
     Arguments as for ``fit``; ``history``, a list, receives each record as
-    it is made (at each epoch's end, and at each validation inside one).
+    it is made (at each epoch's end, and at each validation inside one). A
+    fit suspended (``max_time``) ends the iteration after the batch it
+    yielded last.
 
     Examples:
         >>> for state in fit_states(None, model, F.cross_entropy, opt, data,
@@ -150,12 +179,14 @@ def fit_states(
         40 9
         50 12
     """
+    data = limit_batches(data, train_batches, valid_batches)  # (caps: len() says)
+    loss_func = as_loss(loss_func, loss_weights)  # a dict of losses: a LossDict
     opt = _start(epochs, max_steps, model, loss_func, opt, data)
     metrics = as_metrics(metrics, "metrics")
     train_metrics = as_metrics(train_metrics, "train_metrics")
     state = dict(model=model, opt=opt, data=data, loss_func=loss_func, metrics=metrics)
     state["train_metrics"] = train_metrics
-    cb_handler = CallbackHandler(callbacks)
+    cb_handler = CallbackHandler(callbacks, max_time=max_time)
     if history is not None:
         cb_handler.history = history
     exception = None

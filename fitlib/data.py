@@ -5,13 +5,21 @@ dicts, ``batch_fn`` for other formats)."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from fitlib.checks import check_loader, len_or_none, one_shot_note, regroup_fix
+from fitlib.checks import (
+    check_int,
+    check_loader,
+    len_or_none,
+    one_shot_note,
+    regroup_fix,
+)
 from fitlib.errors import describe, name_of, reraise
 from fitlib.structure import map_tensors
 
@@ -79,6 +87,97 @@ class DataBunch:
             f"DataBunch({train} train batches, {valid} valid batches, "
             f"device={self.device})"
         )
+
+
+class FirstBatches:
+    """The first ``n`` batches of each pass over ``loader``: the loader of a
+    fit with ``train_batches=n`` (or ``valid_batches=n``).
+
+    Each pass draws the loader's order as usual (a shuffled loader shuffles
+    anew) and stops after ``n`` batches, without fetching another. Its length
+    is ``n``, or the loader's when that is shorter (a loader without a length:
+    ``n``), so the fit's ``n_steps``, the schedules, the progress bar and a
+    ``Checkpoint`` (its run's batches per epoch, the batches a resumed epoch
+    skips) all count the capped epoch. A one-shot iterator (a generator)
+    gives each pass its next ``n`` batches, as Keras's ``steps_per_epoch``.
+    The loader's ``dataset``, ``batch_size``, ``sampler``, ``batch_sampler``
+    and ``generator`` (what fitlib's RNG states read) show through; the
+    loader itself is ``.loader``.
+
+    Examples:
+        >>> from fitlib.data import FirstBatches
+        >>> capped = FirstBatches(data.train_dl, 2)
+        >>> capped, len(data.train_dl), len(capped), len(list(capped))
+        (FirstBatches(DataLoader, 2 of 4 batches), 4, 2, 2)
+    """
+
+    def __init__(self, loader: Iterable, n: int) -> None:
+        self.loader, self.n = loader, n
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(iter(self.loader), self.n)
+
+    def __len__(self) -> int:
+        full = len_or_none(self.loader)
+        return self.n if full is None else min(self.n, full)
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def batch_size(self) -> Any:
+        return getattr(self.loader, "batch_size", None)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        return getattr(self.loader, "batch_sampler", None)
+
+    @property
+    def generator(self) -> Any:
+        return getattr(self.loader, "generator", None)
+
+    def __repr__(self) -> str:
+        full = len_or_none(self.loader)
+        return (
+            f"{type(self).__name__}({type(self.loader).__name__}, {len(self)} of "
+            f"{'?' if full is None else full} batches)"
+        )
+
+
+def limit_batches(
+    data: Any, train_batches: int | None = None, valid_batches: int | None = None
+) -> Any:
+    """``data`` with at most ``train_batches`` training batches per epoch
+    and ``valid_batches`` validation batches per validation (each a
+    ``FirstBatches``; None: all), as ``fit(..., train_batches=...,
+    valid_batches=...)`` trains on it: a shallow copy, ``data`` is unchanged.
+
+    Examples:
+        >>> from fitlib.data import limit_batches
+        >>> data, limit_batches(data, train_batches=2, valid_batches=1)
+        (DataBunch(4 train batches, 2 valid batches, device=cpu),
+         DataBunch(2 train batches, 1 valid batches, device=cpu))
+    """
+    caps = {"train_dl": train_batches, "valid_dl": valid_batches}
+    for arg, cap in (
+        ("train_batches", train_batches),
+        ("valid_batches", valid_batches),
+    ):
+        check_int(cap, arg, minimum=1, owner="fit", example=100, allow_none=True)
+    if train_batches is None and valid_batches is None:
+        return data
+    limited = copy.copy(data)  # (the caller's data keeps its loaders)
+    for name, cap in caps.items():
+        loader = getattr(data, name, None)
+        if cap is not None and loader is not None:
+            check_loader(loader, f"data.{name}")
+            setattr(limited, name, FirstBatches(loader, cap))
+    return limited
 
 
 def check_device(device: Any) -> torch.device:

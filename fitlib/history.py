@@ -29,6 +29,14 @@ class History(list):
     ``valid_loss``, each metric, ..., ``lr``, ``time``; see ``fitlib.fit``);
     ``learn.recorder.epoch_table()`` keeps the records of every fit.
 
+    Attributes:
+        stop_reason: why the fit stopped before its end (``EarlyStopping``'s
+            rule, a time limit, ``max_steps``, a callback's
+            ``stop_training``), or None when every epoch ran.
+        suspended: True when a time limit suspended the fit (``suspend``):
+            rerun it with a ``Checkpoint`` and it goes on; False when it
+            finished. A job script requeues while this is True.
+
     Examples:
         >>> history = learn.fit(3, lr=1e-2)
         >>> history
@@ -50,6 +58,10 @@ class History(list):
     # rule, a time limit, ``max_steps``), the state's last ``stop_reason``;
     # None when every epoch ran.
     stop_reason: str | None = None
+    # True when the fit was suspended (a time limit: ``suspend``) and a rerun
+    # with a ``Checkpoint`` goes on; False when it finished (its epochs or
+    # steps, a stopping rule, or a rerun of a finished run).
+    suspended: bool = False
 
     def __getitem__(self, index: Any) -> Any:
         """One record, or a ``History`` of a slice of them."""

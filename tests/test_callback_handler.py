@@ -785,5 +785,45 @@ def test_a_stop_reason_that_is_not_a_str_is_refused():
         def on_epoch_end(self):
             return {"stop_training": True, "stop_reason": 3}
 
-    with pytest.raises(TypeError, match="Bad.on_epoch_end returned stop_reason=3"):
+    with pytest.raises(TypeError, match=r"Bad\.on_epoch_end returned stop_reason=3"):
         train([Bad()])
+
+
+def test_a_schedule_of_an_optimizers_eps_and_one_of_a_losss_eps_do_not_clash():
+    from fitlib.callbacks import ParamScheduler, linear
+
+    class Smoothed:
+        def __init__(self):
+            self.eps = 0.0
+
+        def __call__(self, out, y):
+            return F.cross_entropy(out, y, label_smoothing=self.eps)
+
+    loss = Smoothed()
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    scheds = [ParamScheduler({"eps": linear(1e-8, 1e-6)}),
+              ParamScheduler({"loss_func.eps": linear(0.0, 0.2)})]  # fmt: skip
+    fit(1, model, loss, opt, make_data(), scheds)
+    assert loss.eps == pytest.approx(0.2, abs=0.05)  # the schedule ran
+    twice = [ParamScheduler({"loss_func.eps": linear(0.0, 0.2)}) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"loss_func\.eps"):
+        fit(1, model, loss, opt, make_data(), twice)
+
+
+def test_a_stop_taken_back_leaves_no_reason():
+    class Stop(Callback):
+        def on_batch_end(self, iteration):
+            if iteration == 1:
+                return {"stop_training": True}
+
+    class GoOn(Callback):  # later: takes the stop back, at every batch
+        order = 1
+
+        def on_batch_end(self):
+            return {"stop_training": False}
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    history = fit(2, model, F.cross_entropy, opt, make_data(), [Stop(), GoOn()])
+    assert len(history) == 2 and history.stop_reason is None

@@ -11,7 +11,8 @@ from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit, validate
-from fitlib.callbacks import ProgressBar, Recorder
+from fitlib.callbacks import OneCycleScheduler, ProgressBar, Recorder
+from fitlib.checks import len_or_none
 from fitlib.core import fit_states, loss_batch
 from fitlib.metrics import accuracy
 
@@ -627,3 +628,72 @@ def test_metrics_that_are_not_a_list_are_refused_naming_the_argument():
             rf"\(function\)\. Fix: .*{name}=\[accuracy\]"
         )):  # fmt: skip
             fit(1, model, F.cross_entropy, opt, make_data(), **{name: accuracy})
+
+
+# -- caps on batches: fit(train_batches=, valid_batches=) -------------------------
+class Count(Callback):
+    """Counts the training and validation batches, and notes n_steps and the
+    lengths the callbacks see."""
+
+    def on_train_begin(self, n_steps, data):
+        lengths = [
+            len_or_none(getattr(data, k, None)) for k in ("train_dl", "valid_dl")
+        ]
+        self.n_steps, self.lengths = n_steps, tuple(lengths)
+        self.train = self.valid = 0
+
+    def on_batch_end(self, train):
+        self.train += train
+        self.valid += not train
+
+
+def test_caps_train_and_validate_on_the_first_batches_of_each_epoch():
+    count = Count()
+    train(callbacks=[count], epochs=3, train_batches=3, valid_batches=1)
+    assert (count.train, count.valid) == (9, 3)
+    assert count.n_steps == 9 and count.lengths == (3, 1)
+
+
+def test_a_cap_above_the_loaders_length_trains_the_whole_loader():
+    count = Count()
+    train(callbacks=[count], epochs=1, train_batches=100, valid_batches=100)
+    assert (count.train, count.valid, count.n_steps) == (7, 3, 7)
+
+
+def lrs_of_one_cycle(data, **caps):
+    model, recorder = make_model(), Recorder()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    fit(2, model, F.cross_entropy, opt, data,
+        [OneCycleScheduler(max_lr=0.1), recorder], **caps)  # fmt: skip
+    return recorder.lrs
+
+
+def test_a_one_cycle_schedule_ends_exactly_at_the_last_step_of_capped_epochs():
+    """The lrs of 2 epochs capped at 3 batches are those of a loader of 3."""
+    capped = lrs_of_one_cycle(make_data(), train_batches=3)  # 7 batches, capped
+    short = lrs_of_one_cycle(make_data(n_train=48))  # 3 batches of 16
+    assert capped == short and len(capped) == 6
+
+
+def test_a_generator_without_a_length_trains_epochs_of_the_caps_batches():
+    def stream():  # endless: the cap makes its epochs (Keras's steps_per_epoch)
+        g = torch.Generator().manual_seed(0)
+        while True:
+            x = torch.randn(16, 8, generator=g)
+            yield x, (x[:, 0] > 0).long()
+
+    count, model = Count(), make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    data = DataBunch(stream(), device="cpu")
+    history = fit(3, model, F.cross_entropy, opt, data, [count], train_batches=4)
+    assert len(history) == 3 and count.train == 12
+    assert count.n_steps == 12 and count.lengths == (4, None)
+
+
+def test_a_bad_cap_is_refused_before_training():
+    model, data = make_model(), make_data()
+    before = [p.clone() for p in model.parameters()]
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"fit: train_batches must be an int >= 1"):
+        fit(1, model, F.cross_entropy, opt, data, train_batches=0)
+    assert all(map(torch.equal, before, model.parameters()))

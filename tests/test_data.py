@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import DataBunch, HPOptimizer, fit, validate
 from fitlib.callbacks import Recorder
-from fitlib.data import to_device
+from fitlib.data import FirstBatches, limit_batches, to_device
+from fitlib.rng import loader_generators
 
 
 def test_to_device_keeps_the_structure_of_the_batch():
@@ -178,3 +179,76 @@ def test_a_batch_fn_returning_numpy_arrays_is_refused_at_the_first_batch():
     )):  # fmt: skip
         fit(1, model, F.cross_entropy, opt, data, [recorder])
     assert recorder.losses == []  # refused before any step
+
+
+# -- caps on batches (fit's train_batches, valid_batches) -------------------------
+class CountingLoader:
+    """A shuffled DataLoader that counts the batches fetched from it."""
+
+    def __init__(self, n=100, bs=16):
+        self.dl = DataLoader(make_dataset(n), bs, shuffle=True)
+        self.fetched = 0
+
+    def __iter__(self):
+        for batch in self.dl:
+            self.fetched += 1
+            yield batch
+
+    def __len__(self):
+        return len(self.dl)
+
+
+def test_first_batches_draws_a_new_order_each_pass_and_fetches_no_more():
+    loader = CountingLoader()
+    capped = FirstBatches(loader, 3)
+    torch.manual_seed(0)
+    first, second = list(capped), list(capped)
+    assert len(capped) == len(first) == len(second) == 3 and loader.fetched == 6
+    assert not torch.equal(first[0][1], second[0][1])  # shuffled anew
+
+
+def test_a_cap_above_the_loaders_length_is_the_loaders_length():
+    capped = FirstBatches(DataLoader(make_dataset(100), 16), 50)
+    assert len(capped) == len(list(capped)) == 7
+    assert repr(capped) == "FirstBatches(DataLoader, 7 of 7 batches)"
+
+
+def test_a_loader_without_a_length_gets_the_caps_length_and_a_generator_goes_on():
+    batches = ((torch.full((2, 8), float(i)), torch.zeros(2).long()) for i in range(9))
+    capped = FirstBatches(batches, 4)
+    assert (
+        len(capped) == 4 and repr(capped) == "FirstBatches(generator, 4 of ? batches)"
+    )
+    assert [b[0][0, 0].item() for b in capped] == [0, 1, 2, 3]
+    assert [b[0][0, 0].item() for b in capped] == [4, 5, 6, 7]  # the next pass
+
+
+def test_the_loaders_sampler_and_generators_show_through_for_rng_states():
+    g = torch.Generator().manual_seed(3)
+    dl = DataLoader(make_dataset(100), 16, shuffle=True, generator=g)
+    capped = FirstBatches(dl, 2)
+    assert capped.sampler is dl.sampler and capped.generator is g
+    assert capped.dataset is dl.dataset and capped.batch_size == 16
+    assert loader_generators(capped) == loader_generators(dl) == [g]
+
+
+def test_limit_batches_caps_a_copy_and_leaves_the_data_as_it_was():
+    data = make_data()
+    limited = limit_batches(data, train_batches=2, valid_batches=1)
+    assert (len(limited.train_dl), len(limited.valid_dl)) == (2, 1)
+    assert limited.train_dl.loader is data.train_dl and len(data.train_dl) == 7
+    assert limited.batch_fn is data.batch_fn and limited.device == data.device
+    assert limit_batches(data) is data  # no cap: the data itself
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [({"train_batches": 0}, ValueError, r"fit: train_batches must be an int >= 1"),
+     ({"valid_batches": 2.0}, TypeError, r"valid_batches must be an int >= 1 or "
+      r"None; got 2\.0 \(float\)"),
+     ({"train_batches": True}, TypeError, "got True")],
+    ids=str,
+)  # fmt: skip
+def test_a_cap_that_is_no_int_from_1_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        limit_batches(make_data(), **kwargs)

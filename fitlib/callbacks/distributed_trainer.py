@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 import fitlib.ranks as ranks
 from fitlib.callback import Callback
 from fitlib.core import call_model
+from fitlib.data import FirstBatches
 from fitlib.sharding import is_sharded, shard_model
 
 _LOADER_ARGS = (
@@ -138,7 +139,13 @@ class DistributedTrainer(Callback):
         valid = sharded.valid_dl
         self._valid = (0, 0)  # (this rank's validation batches, the most of any)
         if valid is not None:
-            self._valid = (len(valid), valid.batch_sampler.longest)
+            capped = valid.n if isinstance(valid, FirstBatches) else None
+            inner = valid.loader if capped is not None else valid
+            longest = inner.batch_sampler.longest
+            self._valid = (
+                len(valid),
+                longest if capped is None else min(capped, longest),
+            )
         return {"model": wrapped, "data": sharded}
 
     def _ddp(self, model: nn.Module) -> DistributedDataParallel:
@@ -216,7 +223,10 @@ class BatchShard(Sampler):
 
 
 def _reload(dl: Any, name: str, seed: int) -> DataLoader:
-    """``dl`` again, with this rank's sampler."""
+    """``dl`` again, with this rank's sampler (a fit's cap, ``FirstBatches``:
+    the first batches of this rank's shard)."""
+    if isinstance(dl, FirstBatches):
+        return FirstBatches(_reload(dl.loader, name, seed), dl.n)
     world, rank = ranks.world_size(), ranks.rank()
     if not isinstance(dl, DataLoader) or not _replaceable(dl):
         raise ValueError(

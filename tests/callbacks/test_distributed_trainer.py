@@ -8,7 +8,7 @@ from helpers import make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, IterableDataset
 
-from fitlib import DataBunch, Learner, ranks
+from fitlib import Callback, DataBunch, Learner, ranks
 from fitlib.callbacks import DistributedTrainer
 
 
@@ -68,3 +68,18 @@ def test_a_loader_whose_sampler_cannot_be_replaced_is_a_clear_error(
     learn.to_distributed(backend="gloo")
     with pytest.raises(ValueError, match="cannot give each rank its shard of train_dl"):
         learn.fit(1, lr=0.1)
+
+
+def test_batch_caps_take_the_first_batches_of_each_ranks_shard(one_process_group):
+    counted = []
+
+    class Count(Callback):
+        def on_batch_end(self, train):
+            counted.append(train)
+
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
+    learn.to_distributed(backend="gloo")
+    learn.fit(2, lr=0.1, train_batches=2, valid_batches=1, callbacks=[Count()])
+    assert counted == [True, True, False] * 2
+    trainer = learn.callbacks[-1]
+    assert trainer._valid == (1, 1)  # FSDP's pace: the capped shard's batches

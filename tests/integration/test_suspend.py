@@ -1,15 +1,22 @@
 """The ``suspend`` state key: a fit ended before its end (a time limit), that
-a ``Checkpoint`` resumes exactly, unlike ``stop_training``, which finishes."""
+a ``Checkpoint`` resumes exactly, unlike ``stop_training``, which finishes;
+and fit's caps on batches (``train_batches``, ``valid_batches``), which a
+``Checkpoint`` resumes exactly too."""
 
 import pytest
 import torch
-from helpers import make_dataset
+from helpers import Crash, make_dataset
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, Learner
-from fitlib.callbacks import Checkpoint, GradientAccumulation
+from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
+from fitlib.callbacks import (
+    Checkpoint,
+    GradientAccumulation,
+    OneCycleScheduler,
+    Recorder,
+)
 
 
 class SuspendAt(Callback):
@@ -61,11 +68,12 @@ def test_a_suspended_fit_resumes_exactly_and_keeps_no_partial_record(
     extra = [GradientAccumulation(accumulate)]
     learn = learner([Checkpoint(tmp_path), SuspendAt(**where), *extra])
     history = learn.fit_one_cycle(3, 0.1)
-    assert history.stop_reason == "time is up"
+    assert history.stop_reason == "time is up" and history.suspended
     assert [r["epoch"] for r in history] == recorded  # none for a partial epoch
     resumed = learner([Checkpoint(tmp_path), *extra])
     rest = resumed.fit_one_cycle(3, 0.1)
     assert rest.stop_reason is None and rest[-1]["epoch"] == 2
+    assert not rest.suspended
     unbroken = learner(extra)
     whole = unbroken.fit_one_cycle(3, 0.1)
     assert same_weights(resumed, unbroken)
@@ -93,7 +101,55 @@ def test_stop_training_finishes_the_run_where_suspend_leaves_it_open(tmp_path):
             if epoch == 0:
                 return {"stop_training": True}
 
-    learner([Checkpoint(tmp_path / "a"), Stop()]).fit(3, lr=0.1)
-    assert len(learner([Checkpoint(tmp_path / "a")]).fit(3, lr=0.1)) == 0
+    stopped = learner([Checkpoint(tmp_path / "a"), Stop()]).fit(3, lr=0.1)
+    assert stopped.stop_reason == "Stop stopped training" and not stopped.suspended
+    rerun = learner([Checkpoint(tmp_path / "a")]).fit(3, lr=0.1)
+    assert len(rerun) == 0 and not rerun.suspended  # finished: no requeue
+    assert rerun.stop_reason.endswith("already finished")
     learner([Checkpoint(tmp_path / "b"), SuspendAt(epoch=0)]).fit(3, lr=0.1)
     assert len(learner([Checkpoint(tmp_path / "b")]).fit(3, lr=0.1)) == 2
+
+
+# -- caps on batches, with a Checkpoint -----------------------------------------------
+def capped_fit(tmp_path, callbacks=(), train_batches=4):
+    """fit with 1cycle over 3 epochs of the first 4 (of 7) batches, 2 of 3
+    validation batches; returns the model and the Recorder."""
+    learn = learner()  # (its model, data and seed)
+    recorder = Recorder()
+    opt = HPOptimizer(learn.model.parameters(), torch.optim.SGD, lr=0.1)
+    cbs = [OneCycleScheduler(max_lr=0.1), recorder, *callbacks]
+    fit(3, learn.model, F.cross_entropy, opt, learn.data, cbs,
+        train_batches=train_batches, valid_batches=2)  # fmt: skip
+    return learn.model, recorder
+
+
+def test_a_capped_run_crashed_mid_epoch_resumes_exactly(tmp_path):
+    model, rec = capped_fit(tmp_path)
+    for crash in (5, 9, None):  # inside epoch 1, then at epoch 2's first batch
+        extra = [Crash(crash)] if crash is not None else []
+        try:
+            resumed, rrec = capped_fit(
+                tmp_path, [Checkpoint(tmp_path, every_n_steps=1), *extra]
+            )
+        except RuntimeError:
+            assert crash is not None
+    assert len(rec.losses) == 12 and rrec.losses == rec.losses
+    assert rrec.valid_losses == rec.valid_losses and len(rrec.lrs) == 12
+    pairs = zip(model.state_dict().values(), resumed.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_capped_and_suspended_run_resumes_exactly(tmp_path):
+    model, rec = capped_fit(tmp_path)
+    capped_fit(tmp_path, [Checkpoint(tmp_path), SuspendAt(iteration=5)])
+    resumed, rrec = capped_fit(tmp_path, [Checkpoint(tmp_path)])
+    assert rrec.losses == rec.losses and rrec.valid_losses == rec.valid_losses
+    pairs = zip(model.state_dict().values(), resumed.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_another_cap_is_another_run_for_a_checkpoint(tmp_path):
+    capped_fit(tmp_path, [Checkpoint(tmp_path), SuspendAt(iteration=5)])
+    with pytest.raises(ValueError, match=r"batches per epoch .*: the checkpoint's "
+                       r"run 4, this run 5"):  # fmt: skip
+        capped_fit(tmp_path, [Checkpoint(tmp_path)], train_batches=5)
