@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fitlib.checks import check_int
 from fitlib.dispatch import hook_caller
-from fitlib.errors import and_others, unknown_name
+from fitlib.errors import and_others, name_of, unknown_name
 from fitlib.record import EpochTally
 
 EVENTS = (
@@ -255,6 +256,11 @@ class Callback:
     # shapes the forward pass (precision, memory format, compilation). Its
     # on_train_begin then gets opt=None (no step), then validation batches.
     in_evaluation: bool = False
+    # Whether a compiled step (``Compile(step=True)``) may run with this
+    # callback's hooks inside the step (on_backward_begin, on_backward_end):
+    # True when they read nothing on the host and replace none of the
+    # optimizer's values; None (not said) keeps the step eager.
+    compiled_step_safe: bool | None = None
     # The hyper-parameters this callback sets outright at every step (a
     # schedule): two such callbacks of one fit may not share one, since the
     # later would silently overwrite the earlier. A callback that adjusts a
@@ -293,10 +299,10 @@ class Callback:
         """Runs after the loss is computed, before ``backward()`` (training)."""
 
     def on_backward_end(self, **kwargs: Any) -> dict | None:
-        """Runs after ``backward()``, before ``opt.step()`` (training)."""
+        """Runs at each training batch after ``backward()``, before the step."""
 
     def on_step_end(self, **kwargs: Any) -> dict | None:
-        """Runs after ``opt.step()``, before ``opt.zero_grad()`` (training)."""
+        """Runs at every training batch, after the step or its skip (``skip_step``)."""
 
     def on_batch_end(self, **kwargs: Any) -> dict | None:
         """Runs at the end of every batch (training and validation)."""
@@ -316,6 +322,65 @@ class Callback:
 
     def __repr__(self) -> str:
         return f"{self.name}(order={self.order})"
+
+    @classmethod
+    def from_hooks(
+        cls,
+        *positional: Any,
+        order: int = 0,
+        name: str | None = None,
+        record_names: tuple[str, ...] = (),
+        **hooks: Callable[..., Any],
+    ) -> Callback:
+        """A callback whose hooks are the functions given, by event name.
+
+        Each function is a hook without ``self``: it names the state keys it
+        reads (``lambda epoch, record: ...``; ``**kwargs`` for all) and may
+        return a dict of updates, as a class's hook does. The same checks
+        apply, when it is made: an unknown event name (with "did you mean"),
+        a value that is not callable, a parameter that no state key matches.
+        Each call makes its own class, which defines only the hooks given, so
+        the events it leaves out cost nothing.
+
+        It keeps no state: ``state_dict()`` is ``{}``. What a function keeps
+        elsewhere (a closure's counter, a global list) is not saved by a
+        checkpoint and starts over on a resume; a callback that counts or
+        remembers is a class with ``state_dict``/``load_state_dict``.
+
+        Args:
+            order: where it runs among the fit's callbacks (default 0, with
+                the user callbacks: before the monitors, the Recorder, the
+                loggers and the bar read the record).
+            name: its name in messages and in the callbacks' listing; default
+                ``from_hooks(<events>)``.
+            record_names: the names of the values ``on_epoch_end`` adds to the
+                record (``{"record": {"name": value}}``), as a class declares.
+            **hooks: ``on_train_begin`` ... ``on_train_end``: a function each.
+            *positional: refused (a ``TypeError`` with the fix): a function
+                is given by its event's name, ``on_epoch_end=...``.
+
+        Examples:
+            >>> show = Callback.from_hooks(
+            ...     on_epoch_end=lambda epoch, record: print(epoch, "lr", record["lr"]))
+            >>> show
+            Callback.from_hooks(on_epoch_end=<lambda>, order=0)
+            >>> history = fit(2, model, F.cross_entropy, opt, data, callbacks=[show])
+            0 lr 0.1
+            1 lr 0.1
+            >>> stop = Callback.from_hooks(  # a dict to stop, None to go on
+            ...     on_batch_end=lambda step: {"stop_training": True} if step >= 3
+            ...     else None, name="stop_at_3")
+            >>> fit(5, model, F.cross_entropy, opt, data, callbacks=[stop]).stop_reason
+            'stop_at_3 stopped training'
+        """
+        if positional:
+            raise TypeError(
+                f"{cls.__name__}.from_hooks: hooks are passed by event name, so "
+                f"the callback knows when to run each; got {len(positional)} "
+                f"function{'s' * (len(positional) > 1)} passed positionally. Fix: e.g. "
+                f"{cls.__name__}.from_hooks(on_epoch_end=lambda record: ...)."
+            )
+        return _from_hooks(cls, order, name, record_names, hooks)
 
 
 Hook = Callable[[dict], Any]
@@ -381,6 +446,52 @@ def hook_keys(event: str) -> tuple[str, ...]:
     """The keys a hook of ``event`` may receive: the state keys, and
     ``exception`` for ``on_train_end``."""
     return (*STATE_KEYS, *(("exception",) if event == "on_train_end" else ()))
+
+
+def _from_hooks(
+    base: type[Callback], order: Any, name: Any, record_names: Any, hooks: dict
+) -> Callback:
+    """``Callback.from_hooks``: checks, then a class per call with the hooks."""
+    owner = f"{base.__name__}.from_hooks"
+    if not hooks:
+        raise TypeError(
+            f"{owner}: no hook given, so the callback would do nothing. Fix: "
+            "pass a function per event, e.g. "
+            f"{owner}(on_epoch_end=lambda epoch, record: print(epoch, record))."
+        )
+    for event, fn in hooks.items():
+        if event not in EVENTS:
+            fix = "name each function after the event it runs at."
+            raise TypeError(unknown_name(owner, "hook", event, EVENTS, fix))
+        if not callable(fn):
+            raise TypeError(
+                f"{owner}: {event}={fn!r} is not callable; a hook is a function "
+                f"of the state keys it names. Fix: e.g. {event}=lambda epoch: "
+                "print(epoch)."
+            )
+    order = check_int(order, "order", minimum=-1000, owner=owner, example=0)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise TypeError(
+            f"{owner}: name must be a non-empty str or None; got {name!r}. "
+            f"Fix: e.g. {owner}(..., name='log_epochs')."
+        )
+    label = name or f"from_hooks({', '.join(hooks)})"
+    shown = [f"{ev}={name_of(fn)}" for ev, fn in hooks.items()]
+    shown.append(f"name={name!r}" if name else f"order={order}")
+    attrs: dict[str, Any] = {ev: staticmethod(fn) for ev, fn in hooks.items()}
+    if isinstance(record_names, list):  # (check_record_names refuses a bad one)
+        record_names = tuple(record_names)
+    attrs.update(
+        order=order,
+        record_names=record_names,
+        name=property(lambda self: label, doc="Its name, in messages and tables."),
+        __repr__=lambda self: f"{owner}({', '.join(shown)})",
+        __module__=base.__module__,
+    )
+    cb = type("FromHooks", (base,), attrs)()
+    for event in hooks:  # a parameter no state key matches: refused now
+        bound_hook(cb, event)
+    return cb
 
 
 def inner_callback(cb: Callback) -> Callback:

@@ -128,9 +128,10 @@ def unknown_name(
         are 'on_epoch_end'. Fix: rename it."
     """
     choices = list(choices)
+    plural = what + ("es" if what.endswith(("s", "x", "ch", "sh")) else "s")
     return (
         f"{owner}: unknown {what} {name!r}{did_you_mean(name, choices)}; the "
-        f"{what}s are {', '.join(map(repr, choices))}. Fix: {fix}"
+        f"{plural} are {', '.join(map(repr, choices))}. Fix: {fix}"
     )
 
 

@@ -1,4 +1,5 @@
-"""Filters: run a callback's hooks every n steps or epochs, once, or the first time.
+"""Filters: run a callback's hooks every n steps or epochs, once, the first
+time, or when a condition on the state holds.
 
 ``every(cb, 100)`` is a callback that forwards ``cb``'s hooks only on every
 100th optimizer step, so ``cb`` need not count for itself. What a filter
@@ -19,6 +20,19 @@ With validations inside epochs (``ValidationSchedule(every_n_steps=...)``)
 ``on_epoch_end`` fires at each record: a matching epoch's filter lets each of
 its records through, and ``first`` the first record, which may end at a
 validation inside the first epoch.
+- ``every(cb, when=predicate)``: each hook runs when ``predicate`` returns
+  True. The predicate names the state keys it reads, as a hook does
+  (``when=lambda epoch: epoch >= 5``, ``when=lambda train, step: ...``;
+  ``**kwargs`` for all), and is called at every hook call of ``cb`` (all
+  but ``on_train_begin`` and ``on_train_end``), with the state of that
+  event: what it reads must say the same for each hook of a batch or an
+  epoch if they are to run together (``step`` counts a batch's own step
+  from ``on_batch_end`` on; ``epoch`` is the same for an epoch's hooks).
+  It runs per event, so it must be cheap and read no device value (a
+  tensor in a condition waits for the device at every step): it returns
+  a Python bool, and a tensor is refused. It keeps no state of its own;
+  a predicate that reads only what every rank shares (the counters, the
+  record) decides alike on every rank.
 - ``on_train_begin`` and ``on_train_end`` always run, so the wrapped callback
   can set up and clean up.
 
@@ -36,9 +50,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fitlib.callback import EVENTS, Callback, hook_keys, overrides
-from fitlib.checks import check_int
+from fitlib.checks import check_flag, check_int
 from fitlib.dispatch import hook_caller
+from fitlib.errors import name_of
 
 UNITS = ("steps", "epochs")
 # What a filter's hooks receive first: what it counts with, and what resets it.
@@ -173,14 +190,55 @@ class _First(Filter):
         return f"first({self.callback!r})"
 
 
+class _When(Filter):
+    def __init__(self, callback: Callback, unit: None, when: Callable) -> None:
+        super().__init__(callback, unit)
+        self.when = when
+
+    @property
+    def name(self) -> str:
+        return f"every(when {name_of(self.when)}, {self.callback.name})"
+
+    def _admit(self, verdict: Any) -> bool:
+        """The predicate's verdict, checked: a bool (a tensor would sync)."""
+        if verdict is True or verdict is False:
+            return verdict
+        if isinstance(verdict, torch.Tensor):
+            raise TypeError(
+                f"{self.name}: when returned a Tensor ({verdict!r}); reading it "
+                "in a condition copies it to the host and waits for the device "
+                "at every event. Fix: decide from the counters (step, epoch, "
+                "iteration) or the record (on_epoch_end), which are Python "
+                "values; leave device values to the wrapped callback."
+            )
+        fix = "when=lambda step: step % 100 == 0"
+        return check_flag(verdict, "the value when returns", self.name, fix)
+
+    def __repr__(self) -> str:
+        return f"every({self.callback!r}, when={name_of(self.when)})"
+
+
 # -- the public builders ---------------------------------------------------------
-def every(callback: Callback, n: int, unit: str = "steps") -> Filter:
-    """``callback``'s hooks run on every ``n``-th step or epoch (n, 2n, ...).
+def every(
+    callback: Callback,
+    n: int | None = None,
+    unit: str | None = None,
+    *,
+    when: Callable[..., bool] | None = None,
+) -> Filter:
+    """``callback``'s hooks run on every ``n``-th step or epoch (n, 2n, ...),
+    or where ``when`` says.
 
     Args:
         callback: the callback to filter.
         n: the interval (>= 1), counted from the start of the fit.
-        unit: ``"steps"`` (optimizer steps) or ``"epochs"``.
+        unit: ``"steps"`` (optimizer steps, the default) or ``"epochs"``;
+            with ``n`` only.
+        when: instead of ``n``, a predicate of the state keys it names
+            (``lambda epoch: epoch >= 5``), asked at each hook call of
+            ``callback`` but ``on_train_begin``/``on_train_end``; it returns
+            a Python bool and reads no device value (see the module
+            docstring).
 
     Examples:
         >>> class PrintStep(Callback):
@@ -190,7 +248,16 @@ def every(callback: Callback, n: int, unit: str = "steps") -> Filter:
         ...               callbacks=[every(PrintStep(), 5)])
         steps done: 5
         steps done: 10
+        >>> class PrintRecord(Callback):
+        ...     def on_epoch_end(self, epoch, record):
+        ...         print("epoch", epoch, "valid_loss", record["valid_loss"])
+        >>> late = every(PrintRecord(), when=lambda epoch: epoch >= 2)
+        >>> history = fit(3, model, F.cross_entropy, opt, data, callbacks=[late])
+        epoch 2 valid_loss ...
     """
+    if when is not None or n is None:
+        return _build_when(callback, n, unit, when)
+    unit = "steps" if unit is None else unit
     _check("every", callback, unit, "n", n)
     return _build(_Every, callback, unit, n)
 
@@ -244,13 +311,15 @@ def _build(
 ) -> Filter:
     """An instance of a subclass of ``kind`` with the hooks ``callback`` has."""
     hooks = {
-        event: _hook(event, getattr(callback, event), _counter(unit, event))
+        event: _hook(
+            event, getattr(callback, event), _counter(unit, event), callback.name
+        )
         for event in EVENTS
         if overrides(callback, event)
     }
     if "on_train_begin" not in hooks:  # the filter resets there
         always = _counter(None, "on_train_begin")
-        hooks["on_train_begin"] = _hook("on_train_begin", None, always)
+        hooks["on_train_begin"] = _hook("on_train_begin", None, always, "")
     name = f"{kind.__name__[1:]}[{type(callback).__name__}]"
     return type(name, (kind,), hooks)(callback, unit, *args)
 
@@ -273,13 +342,13 @@ def _counter(unit: str | None, event: str) -> Callable:
     return lambda train, step, skip_step, epoch: step + 1 if train else None
 
 
-def _hook(event: str, hook: Callable | None, counter: Callable) -> Callable:
+def _hook(event: str, hook: Callable | None, counter: Callable, owner: str) -> Callable:
     """A filter's hook: counts, selects, then forwards to ``hook``.
 
     It receives the keys the count needs, then those ``hook`` needs (every
     key, for ``**kwargs``), by position: this is the hot path.
     """
-    call = None if hook is None else _call(event, hook)
+    call = None if hook is None else _call(f"{owner}.{event}", hook, event)
     keys = _GATE_KEYS + (() if hook is None else _keys(hook, event, _GATE_KEYS))
     begin = event == "on_train_begin"
 
@@ -301,11 +370,59 @@ def _hook(event: str, hook: Callable | None, counter: Callable) -> Callable:
     return forward
 
 
-def _call(event: str, hook: Callable) -> Callable[[dict], Any]:
+def _call(where: str, hook: Callable, event: str) -> Callable[[dict], Any]:
     # Built now, so a hook with parameters no key matches fails at wrap time.
-    owner = getattr(hook, "__self__", None)
-    where = f"{getattr(owner, 'name', type(owner).__name__)}.{event}"
     return hook_caller(hook, where, hook_keys(event))
+
+
+# -- every(cb, when=...): a predicate instead of a count ---------------------------
+def _build_when(callback: Any, n: Any, unit: Any, when: Any) -> Filter:
+    """An instance of a subclass of ``_When`` with the hooks ``callback`` has."""
+    _check_when(callback, n, unit, when)
+    events = [e for e in EVENTS if overrides(callback, e)]
+    hooks = {
+        e: _when_hook(e, getattr(callback, e), when, callback.name) for e in events
+    }
+    if "on_train_begin" not in hooks:  # the filter resets there
+        hooks["on_train_begin"] = _when_hook("on_train_begin", None, when, "")
+    name = f"When[{type(callback).__name__}]"
+    return type(name, (_When,), hooks)(callback, None, when)
+
+
+def _when_hook(event: str, hook: Callable | None, when: Callable, owner: str) -> Any:
+    """A hook of ``every(cb, when=...)``: asks ``when``, then forwards to
+    ``hook``; it receives the keys both name, by position."""
+    call = None if hook is None else _call(f"{owner}.{event}", hook, event)
+    gated, begin = event not in _ALWAYS, event == "on_train_begin"
+    test = _when_caller(when, event) if gated else None
+    gate = _keys(when, event, ()) if gated else ("iteration",) if begin else ()
+    keys = gate + (() if hook is None else _keys(hook, event, gate))
+
+    def forward(self, *values):
+        state = dict(zip(keys, values))
+        if begin and state["iteration"] == 0:  # a new fit; a resumed one keeps
+            self._reset()
+        if gated:
+            if not self._admit(test(state)):
+                return None
+            self.calls += 1
+        return None if call is None else call(state)
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(k, kind) for k in ("self", *keys)]
+    forward.__signature__ = inspect.Signature(params)
+    return forward
+
+
+def _when_caller(when: Callable, event: str) -> Callable[[dict], Any]:
+    try:
+        return hook_caller(when, "every.when", hook_keys(event))
+    except TypeError as e:
+        raise TypeError(
+            f"{e} The predicate names the keys it reads, as a hook does "
+            "(when=lambda epoch: epoch >= 5), rather than taking the state as "
+            "one argument."
+        ) from None
 
 
 def _keys(hook: Callable, event: str, skip: tuple) -> tuple[str, ...]:
@@ -322,6 +439,34 @@ def _keys(hook: Callable, event: str, skip: tuple) -> tuple[str, ...]:
 
 
 # -- checks ----------------------------------------------------------------------
+def _check_when(callback: Any, n: Any, unit: Any, when: Any) -> None:
+    _check("every", callback)
+    if when is None:
+        raise TypeError(
+            "every: pass n (every n steps or epochs) or when (a predicate of "
+            "the state); got neither. Fix: e.g. every(cb, 100), every(cb, 2, "
+            "unit='epochs') or every(cb, when=lambda epoch: epoch >= 5)."
+        )
+    if n is not None:
+        raise TypeError(
+            f"every: pass n or when, not both; got n={n!r} and "
+            f"when={name_of(when)}. Fix: every(cb, n) counts steps or epochs; "
+            "every(cb, when=...) decides from the state alone (a count goes in "
+            "the predicate: when=lambda step: step % 100 == 0)."
+        )
+    if unit is not None:
+        raise TypeError(
+            f"every: unit applies to n (every n steps or epochs); got "
+            f"unit={unit!r} with when={name_of(when)}, which decides from the "
+            "state alone. Fix: drop unit; read step or epoch in the predicate."
+        )
+    if not callable(when):
+        raise TypeError(
+            f"every: when must be callable; got {when!r} "
+            f"({type(when).__name__}). Fix: e.g. when=lambda epoch: epoch >= 5."
+        )
+
+
 def _check(
     builder: str, callback: Any, unit: Any = "steps", name: str = "", count: Any = 1
 ) -> None:

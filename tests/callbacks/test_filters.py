@@ -2,9 +2,10 @@ import io
 
 import pytest
 import torch
-from helpers import train
+from helpers import make_data, make_model, train
+from torch.nn import functional as F  # noqa: N812
 
-from fitlib import Callback, CallbackHandler
+from fitlib import Callback, CallbackHandler, fit
 from fitlib.callback import EVENTS, call_hook, overrides
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.filters import Filter, every, first, once
@@ -317,3 +318,151 @@ def test_a_hook_with_a_parameter_no_key_matches_fails_when_wrapped():
 
     with pytest.raises(TypeError, match=r"Typo\.on_batch_end requires.*'lastloss'"):
         every(Typo(), 3)
+
+
+# -- every(cb, when=...) -----------------------------------------------------------
+# Cases ported from Ignite's event filter tests (a handler runs only on chosen
+# iterations or epochs; a filter with both a count and a function is refused;
+# a filter function of the wrong shape is refused), in fitlib's terms.
+SPECIAL = {1, 2, 5, 7, 11}
+
+
+def test_when_runs_the_hooks_where_the_predicate_is_true():
+    counter = Counter()
+    wrapped = every(counter, when=lambda step, train: train and step in SPECIAL)
+    for step in range(1, 13):
+        batch_end(wrapped, step)
+    assert [c[1] for c in counter.of("on_batch_end")] == [1, 2, 5, 7, 11]
+    assert wrapped.calls == 5
+
+
+def test_when_by_epoch_gates_every_hook_of_the_chosen_epochs():
+    counter = Counter()
+    wrapped = every(counter, when=lambda epoch: epoch + 1 in SPECIAL)
+    for epoch in range(8):
+        call_hook(wrapped, "on_epoch_begin", epoch=epoch)
+        batch_end(wrapped, epoch + 1, epoch=epoch)
+        batch_end(wrapped, epoch + 1, train=False, epoch=epoch)
+        call_hook(wrapped, "on_epoch_end", epoch=epoch)
+    assert counter.of("on_epoch_begin") == [(0,), (1,), (4,), (6,)]
+    assert counter.of("on_epoch_end") == counter.of("on_epoch_begin")
+    assert [c[3] for c in counter.of("on_batch_end")] == [0, 0, 1, 1, 4, 4, 6, 6]
+
+
+def test_when_gets_the_state_of_the_event_it_gates():
+    seen = []
+
+    def when(train, last_loss, **kwargs):
+        seen.append((train, last_loss, "record" in kwargs))
+        return True
+
+    counter = Counter()
+    call_hook(every(counter, when=when), "on_batch_end", train=True, step=1,
+              skip_step=False, last_loss=0.5)  # fmt: skip
+    assert seen == [(True, 0.5, True)]
+    assert counter.of("on_batch_end") == [(True, 1, False, 0)]
+
+
+def test_when_leaves_train_begin_and_end_to_run():
+    counter = Counter()
+    wrapped = every(counter, when=lambda: False)
+    call_hook(wrapped, "on_train_begin", iteration=0)
+    batch_end(wrapped, 1)
+    call_hook(wrapped, "on_epoch_end", epoch=0)
+    call_hook(wrapped, "on_train_end", exception=None)
+    assert counter.calls == [("on_train_begin", 0), ("on_train_end", None)]
+
+
+def test_when_name_repr_order_and_shape():
+    def warm(epoch):
+        return epoch >= 2
+
+    rec = Recorder()
+    wrapped = every(rec, when=warm)
+    assert wrapped.name == "every(when warm, Recorder)"
+    assert repr(wrapped) == "every(Recorder(order=50), when=warm)"
+    assert wrapped.order == 50 and wrapped.callback is rec
+    counter = Counter()
+    only = every(counter, when=lambda step: True)
+    hooks = [e for e in EVENTS if overrides(counter, e)]
+    assert [e for e in EVENTS if overrides(only, e)] == hooks
+    handler = CallbackHandler([every(OnlyEpochEnd(), when=lambda epoch: True)])
+    assert [e for e, hooks in handler._hooks.items() if hooks] == [
+        "on_train_begin", "on_epoch_end"]  # fmt: skip
+    assert not handler._smooth_read
+
+
+class OnlyEpochEnd(Callback):
+    def on_epoch_end(self, epoch):
+        self.last = epoch
+
+
+def test_when_state_dict_holds_the_calls_and_a_new_fit_resets_them():
+    counter = Counter()
+    wrapped = every(counter, when=lambda step: step % 2 == 0)
+    call_hook(wrapped, "on_train_begin", iteration=0)
+    for step in range(1, 5):
+        batch_end(wrapped, step)
+    state = round_trip(wrapped.state_dict())
+    assert state == {"filter": {"calls": 2}, "callback": {"n": 2}}
+    resumed = every(Counter(), when=lambda step: step % 2 == 0)
+    resumed.load_state_dict(state)
+    call_hook(resumed, "on_train_begin", iteration=4)  # resumed: kept
+    assert resumed.state_dict() == state
+    call_hook(resumed, "on_train_begin", iteration=0)
+    assert resumed.state_dict()["filter"] == {"calls": 0}
+
+
+def test_through_fit_when_runs_on_the_chosen_steps_and_epochs():
+    counter = Counter()
+    train([every(counter, when=lambda train, step, skip_step: train and (
+        step if not skip_step else step + 1) in SPECIAL)], epochs=2)  # fmt: skip
+    assert [c[1] for c in counter.of("on_batch_end")] == [1, 2, 5, 7, 11]
+    by_epoch = Counter()
+    train([every(by_epoch, when=lambda epoch: epoch == 1)], epochs=3)
+    assert by_epoch.of("on_epoch_end") == [(1,)]
+    assert len(by_epoch.of("on_batch_end")) == 7 + 3
+
+
+def test_through_fit_a_wrapped_callback_stops_when_the_predicate_lets_it():
+    class Stop(Callback):
+        def on_epoch_end(self):
+            return {"stop_training": True}
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stop = every(Stop(), when=lambda record: record["valid_loss"] < 10)
+    history = fit(3, model, F.cross_entropy, opt, make_data(), callbacks=[stop])
+    assert len(history) == 1  # the filter's name says what stopped it
+    assert history.stop_reason == "every(when <lambda>, Stop) stopped training"
+
+
+def test_when_and_n_together_are_refused_and_one_is_needed():
+    with pytest.raises(TypeError, match=r"every: pass n or when, not both"):
+        every(Counter(), 3, when=lambda step: True)
+    with pytest.raises(TypeError, match=r"every: pass n .* or when"):
+        every(Counter())
+    with pytest.raises(TypeError, match=r"every: unit applies to n"):
+        every(Counter(), when=lambda step: True, unit="epochs")
+
+
+def test_when_must_be_a_function_of_state_keys():
+    with pytest.raises(TypeError, match=r"every: when must be callable; got 3"):
+        every(Counter(), when=3)
+    with pytest.raises(TypeError, match=r"every\.when requires parameter\(s\) "
+                       r"'stpe' \(did you mean 'step'\?\)"):  # fmt: skip
+        every(Counter(), when=lambda stpe: True)
+    with pytest.raises(TypeError, match=r"'state'.*names the keys it reads"):
+        every(Counter(), when=lambda state: True)  # Ignite's (engine, event) shape
+
+
+def test_when_returning_a_tensor_or_a_non_bool_is_refused():
+    wrapped = every(Counter(), when=lambda last_loss: last_loss > 1)
+    with pytest.raises(TypeError, match=r"returned a Tensor.*host"):
+        call_hook(wrapped, "on_batch_end", train=True, step=1,
+                  last_loss=torch.tensor(2.0))  # fmt: skip
+    wrapped = every(Counter(), when=lambda step: step % 100)  # an int, truthy
+    with pytest.raises(
+        TypeError, match=r"the value when returns must be True or False; got 1 \(int\)"
+    ):
+        call_hook(wrapped, "on_batch_end", train=True, step=1)
