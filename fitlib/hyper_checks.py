@@ -2,23 +2,126 @@
 once (``check_lr``) and spread over the parameter groups once
 (``lr_per_group``); the other hyper-parameters' values (``check_hyper``); the
 optimizer class (``check_opt_func``) and the parameters it is given
-(``check_params``). What ``HPOptimizer``, ``MultiOptimizer``, the schedulers
-and the ``Learner`` share."""
+(``check_params``); what a hyper-parameter's name spells (``hyper_key``:
+``"betas[1]"``), its one name (``hyper_name``, ``ALIASES``) and why an
+optimizer has none by that name (``no_such_hyper``). What ``HPOptimizer``,
+``MultiOptimizer``, the schedulers and the ``Learner`` share."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from fitlib.errors import ArgTypeError, is_number
+from fitlib.errors import ArgTypeError, did_you_mean, is_number
 
 # A learning rate to train at: one number, one per parameter group, or a slice
 # spread over the groups (see lr_per_group).
 LR = float | slice | Sequence[float]
 EXAMPLE_VALUES = {"lr": "1e-3", "mom": "0.9", "wd": "1e-2", "beta": "0.99"}
+# A torch key that one of fitlib's names maps onto (``HPOptimizer``'s table):
+# one hyper-parameter under two names, as the optimizer has it.
+ALIASES = {
+    "weight_decay": "wd",
+    "momentum": "mom",
+    "betas[0]": "mom",
+    "alpha": "beta",
+    "betas[1]": "beta",
+}
+_NAME = re.compile(r"([A-Za-z_]\w*)(?:\[(\d+)\])?")
+NAMES = ("lr", "mom", "wd", "beta")  # fitlib's names of hyper-parameters
+TRUE_WD_KEY = "fitlib_true_wd"  # stored in each group, so state_dict keeps it
+
+
+def hyper_key(name: Any) -> tuple[str, int | None]:
+    """The group key and tuple index that a hyper-parameter's name spells:
+    ``"eps"`` is ``("eps", None)``, ``"betas[1]"`` is ``("betas", 1)``.
+    Refuses (ValueError) a name of another form, before any optimizer is
+    known.
+
+    Examples:
+        >>> from fitlib.hyper_checks import hyper_key
+        >>> hyper_key("betas[1]")
+        ('betas', 1)
+    """
+    match = _NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise ValueError(
+            f"{name!r} is no hyper-parameter name: a name is a key of the "
+            "optimizer's parameter groups ('eps', 'weight_decay'), one element "
+            "of a tuple there ('betas[1]'), or one of fitlib's 'lr', 'mom', "
+            "'wd', 'beta'. Fix: e.g. 'eps' or 'betas[1]'."
+        )
+    key, index = match.groups()
+    return key, None if index is None else int(index)
+
+
+def hyper_name(name: str) -> str:
+    """The one name of a hyper-parameter that has two (``ALIASES``):
+    ``"weight_decay"`` is ``"wd"``; any other name is itself. What a
+    schedule lists in ``sets_hypers``, so two names of one value clash.
+
+    Examples:
+        >>> from fitlib.hyper_checks import hyper_name
+        >>> hyper_name("betas[1]"), hyper_name("eps")
+        ('beta', 'eps')
+    """
+    return ALIASES.get(name, name)
+
+
+def no_such_hyper(
+    opt: torch.optim.Optimizer,
+    name: str,
+    key: str,
+    index: int | None,
+    names: list[str],
+) -> str:
+    """Why ``name`` (group key ``key``, tuple ``index``) names no number of
+    ``opt``'s parameter groups, and what they hold (``names``)."""
+    groups = opt.param_groups
+    value = groups[0].get(key)
+    fix = "name one of those"
+    if index is None and isinstance(value, (tuple, list)):
+        what = f"its {key!r} holds {len(value)} values {tuple(value)!r}"
+        fix = f"name one, e.g. '{key}[0]'"
+    elif any(key in g for g in groups) and not all(key in g for g in groups):
+        what = f"only some parameter groups hold {key!r}"
+        fix = f"give every group a {key!r}, or {fix}"
+    elif index is not None and key in groups[0]:
+        what = f"{key!r} holds {value!r}, which has no number at {name!r}"
+    elif key in groups[0]:
+        what = f"{key!r} holds {value!r}, not a number, so it cannot be set"
+    else:
+        what = f"its parameter groups hold no {name!r}{did_you_mean(name, names)}"
+        fix = f"{fix}, or use an optimizer that has {name!r}"
+    return (
+        f"{type(opt).__name__} has no hyper-parameter {name!r}: {what}. Its "
+        f"hyper-parameters: {', '.join(names)}. Fix: {fix}."
+    )
+
+
+# Keys of the groups that torch refuses below 0 (checked as they are set).
+NON_NEGATIVE = ("lr", "wd", "eps")
+
+
+def example_setting(name: str, value: str | None = None) -> str:
+    """How a fix sets hyper-parameter ``name``: ``opt.lr = 1e-3`` for
+    fitlib's names (properties), ``opt.set('eps', 0.5)`` for the others.
+
+    Examples:
+        >>> from fitlib.hyper_checks import example_setting
+        >>> example_setting("mom"), example_setting("eps", "1e-6")
+        ('opt.mom = 0.9', "opt.set('eps', 1e-6)")
+    """
+    value = value or EXAMPLE_VALUES.get(name, "0.5")
+    return (
+        f"opt.{name} = {value}"
+        if name in EXAMPLE_VALUES
+        else (f"opt.set({name!r}, {value})")
+    )
 
 
 def check_no_parts(lr: Any, name: str) -> None:
@@ -159,11 +262,12 @@ def check_hyper(
 ) -> None:
     """Refuses values torch would refuse (or misread) for hyper-parameter ``name``:
     not a number (TypeError); ``lr``, ``wd`` below 0 or infinite, ``mom``,
-    ``beta`` outside [0, 1) (ValueError). A factor must be a finite number >= 0.
+    ``beta`` outside [0, 1), ``eps`` below 0, any other key of the groups not
+    finite (ValueError). A factor must be a finite number >= 0.
     ``fix`` is the example the message gives (default: the optimizer's setter)."""
     given = values if given is None else given
     base = name.split()[0]
-    example = fix or f"opt.{base} = {EXAMPLE_VALUES.get(base, '0.5')}"
+    example = fix or example_setting(base)
     if " " in name:  # a factor of scale()
         example = f"opt.scale({base!r}, 0.5)"
     if not all(is_hyper_number(v) for v in values):
@@ -171,14 +275,17 @@ def check_hyper(
             f"{name} must be a number (or one per parameter group); got {given!r}"
             f" ({type(given).__name__}). Fix: e.g. {example}."
         )
+    why = "torch refuses other values"
     if base in ("mom", "beta") and " " not in name:
         ok, what = all(0 <= v < 1 for v in values), "in [0, 1)"
-    else:
+    elif base in NON_NEGATIVE or " " in name:
         ok, what = all(0 <= v < math.inf for v in values), "a finite number >= 0"
+    else:  # another key of the groups (a custom optimizer's): any finite number
+        ok, what = all(math.isfinite(v) for v in values), "a finite number"
+        why = "a NaN or an infinity would reach the weights"
     if not ok:
         raise ValueError(
-            f"{name} must be {what} (torch refuses other values); got {given!r}. "
-            f"Fix: e.g. {example}."
+            f"{name} must be {what} ({why}); got {given!r}. Fix: e.g. {example}."
         )
 
 
@@ -220,3 +327,48 @@ def check_params(params: Any) -> list:
             "and check that layer_groups or a filter on requires_grad keeps any."
         )
     return params
+
+
+def group_key(opt: Any, name: str, raise_missing: bool = True) -> tuple | None:
+    """The (group key, tuple index) where ``opt`` (an ``HPOptimizer``) holds
+    ``name`` (canonical: fitlib's name where it has one), or None / a
+    ValueError when its groups lack it."""
+    if name not in NAMES:
+        key, index = hyper_key(name)
+        if groups_hold(opt.param_groups, key, index):
+            return key, index
+        if not raise_missing:
+            return None
+        raise ValueError(no_such_hyper(opt.opt, name, key, index, opt.hyper_names()))
+    group = opt.param_groups[0]
+    adam_like = "betas" in group
+    keys = {
+        "lr": ("lr", None),
+        "mom": ("betas", 0) if adam_like else ("momentum", None),
+        "beta": ("betas", 1) if adam_like else ("alpha", None),
+        "wd": (TRUE_WD_KEY, None) if opt.true_wd else ("weight_decay", None),
+    }
+    key, index = keys[name]
+    if key in group or (key == TRUE_WD_KEY and name == "wd"):
+        return key, index
+    if not raise_missing:
+        return None
+    has = [n for n in ("lr", "mom", "wd", "beta") if n != name and opt.has(n)]
+    raise ValueError(
+        f"{type(opt.opt).__name__} has no hyper-parameter {name!r} (it would "
+        f"map to param_group[{key!r}]). It has: {', '.join(has)}. Fix: do not "
+        f"set {name!r} (e.g. drop a momentum schedule), or use an optimizer "
+        "that has it."
+    )
+
+
+def groups_hold(groups: list[dict], key: str, index: int | None) -> bool:
+    """Whether every group holds a number under ``key`` (at ``index``)."""
+    for group in groups:
+        value = group.get(key)
+        if index is not None:
+            ok = isinstance(value, (tuple, list)) and index < len(value)
+            value = value[index] if ok else None
+        if not is_hyper_number(value):
+            return False
+    return True

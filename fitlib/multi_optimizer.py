@@ -10,6 +10,9 @@ and checkpoints see one object with ``HPOptimizer``'s interface:
 - ``lr``, ``mom``, ``wd``, ``beta`` read and set every part's groups, in part
   order (``param_groups`` lists them all); ``opt["decoder"].lr`` reads or sets
   one part; ``opt.lr = {"encoder": 1e-3, "decoder": 0.1}`` sets each part.
+  Any other hyper-parameter goes through ``get``/``set`` by its torch name
+  (``opt.set("eps", 1e-6)``, ``opt["decoder"].get("betas[1]")``), as on
+  ``HPOptimizer``.
 - ``state_dict()`` holds every part's state, by name.
 """
 
@@ -23,18 +26,17 @@ import torch
 from fitlib.checks import check_flag
 from fitlib.errors import ArgTypeError
 from fitlib.hyper_checks import (
-    EXAMPLE_VALUES,
+    NAMES,
     check_lr,
     count_mismatch,
+    example_setting,
     is_hyper_number,
     lr_per_group,
 )
 from fitlib.optim import (
-    NAMES,
     HPOptimizer,
     HyperParam,
     HyperParams,
-    lr_and_momentum,
 )
 
 Parts = Mapping[str, Any]
@@ -64,6 +66,7 @@ class MultiOptimizer(HyperParams):
 
     def __init__(self, parts: Parts) -> None:
         self.parts: dict[str, HPOptimizer] = _check_parts(parts)
+        self._last = list(self.parts.values())[-1]
         self._active: tuple[str, ...] | None = None
         self.stepped: tuple[Any, Any] | None = None
 
@@ -135,9 +138,31 @@ class MultiOptimizer(HyperParams):
                 "MultiOptimizer.step: a closure would run once per part, each "
                 "time recomputing the loss. Fix: step without a closure."
             )
-        self.stepped = lr_and_momentum(self.param_groups[-1])
+        self.stepped = self._last.lr_and_momentum()  # (floats: no device read)
         for name in self.parts if self.active is None else self.active:
             self.parts[name].step()
+
+    def hypers_as_tensors(self, names: Any = None) -> dict[str, tuple[str, ...]]:
+        """``HPOptimizer.hypers_as_tensors`` on every part: the names each
+        part holds as tensors, by part name. A part that cannot (its
+        optimizer, its ``foreach``) fails as that part would, naming it; the
+        parts before it stay converted (calling it again is harmless).
+
+        Examples:
+            >>> body, head = nn.Linear(8, 16), nn.Linear(16, 3)
+            >>> multi = MultiOptimizer({
+            ...     "body": torch.optim.AdamW(body.parameters(), lr=1e-3),
+            ...     "head": torch.optim.SGD(head.parameters(), lr=0.1)})
+            >>> multi.hypers_as_tensors()
+            {'body': ('lr', 'mom', 'beta'), 'head': ('lr',)}
+        """
+        done = {}
+        for name, part in self.parts.items():
+            try:
+                done[name] = part.hypers_as_tensors(names)
+            except ValueError as e:
+                raise ValueError(f"MultiOptimizer part {name!r}: {e}") from None
+        return done
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none is not True:  # (per batch: the default goes unchecked)
@@ -226,16 +251,23 @@ class MultiOptimizer(HyperParams):
             return None
         return next(n for n, p in self.parts.items() if p is part)
 
+    def hyper_names(self) -> list[str]:
+        """What every part's optimizer has (``HPOptimizer.hyper_names``): what
+        ``get``, ``set`` and a schedule of every part can name."""
+        parts = list(self.parts.values())
+        return [n for n in parts[0].hyper_names() if all(p.has(n) for p in parts)]
+
     def _check_has(self, name: str) -> None:
-        if name not in NAMES:
-            next(iter(self.parts.values())).has(name)  # its unknown-name error
         missing = self.missing(name)
+        if len(missing) == len(self.parts) and name not in NAMES:
+            self.parts[missing[0]].get(name)  # its message: what it has instead
         if missing:
             kinds = {n: type(self.parts[n].opt).__name__ for n in missing}
             raise ValueError(
                 f"the part(s) {kinds} have no hyper-parameter {name!r}, so it "
                 f"cannot be read or set for every part. Fix: set it per part "
-                f"(opt[part].{name} = ...) on the parts that have it: "
+                f"({example_setting(name).replace('opt', 'opt[part]', 1)}) on "
+                f"the parts that have it: "
                 f"{[n for n in self.parts if n not in missing]}."
             )
 
@@ -399,7 +431,7 @@ def _per_part(method: Any, name: str, value: Any, part: str | None) -> None:
     if part is None:
         method(name, value)
         return
-    fix = f"Fix: e.g. opt.{name} = {{{part!r}: {EXAMPLE_VALUES.get(name, '0.5')}}}."
+    fix = f"Fix: e.g. {example_setting(name, f'{{{part!r}: ...}}')}."
     if value is None:
         raise ArgTypeError(
             f"{name}[{part!r}] must be a number (or one per parameter group of "

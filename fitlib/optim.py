@@ -24,6 +24,14 @@ has accumulated in this fit (``ReduceLROnPlateau``'s reductions), as torch's
 chained schedulers multiply. ``set`` and the properties write exactly the
 value given. ``fit`` forgets the factors when it starts and ends; in between
 they live in the parameter groups, so a checkpoint keeps them.
+
+Any other hyper-parameter in the parameter groups is reached by its torch
+name through the same ``get``, ``set``, ``set_scheduled`` and ``scale``:
+``"eps"``, ``"dampening"``, a custom optimizer's own key, or one element of a
+tuple, ``"betas[1]"``. A torch name that one of fitlib's names maps onto is
+that name (``ALIASES``): ``"weight_decay"`` is ``wd`` (decoupled too, with
+``true_wd``), ``"betas[0]"`` and ``"momentum"`` are ``mom``, ``"betas[1]"``
+and ``"alpha"`` are ``beta``; so they share one scale factor and one schedule.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 
 from fitlib.grad_scaling import found_inf
 from fitlib.hyper_checks import (
+    ALIASES,
     LR,
     check_hyper,
     check_lr,
@@ -42,13 +51,18 @@ from fitlib.hyper_checks import (
     check_opt_func,
     check_params,
     count_mismatch,
+    group_key,
+    groups_hold,
+    hyper_key,
     is_hyper_number,
     lr_per_group,
 )
+from fitlib.hyper_checks import NAMES as _NAMES
+from fitlib.hyper_checks import TRUE_WD_KEY as _TRUE_WD_KEY
+from fitlib.hyper_tensors import as_tensors, floats_in, reinstall, write_live
 
 HyperParam = float | Sequence[float]
-_TRUE_WD_KEY = "fitlib_true_wd"  # stored in each group, so state_dict keeps it
-NAMES = ("lr", "mom", "wd", "beta")
+NAMES = _NAMES  # fitlib's names of hyper-parameters (hyper_checks.NAMES)
 
 
 def _hyper(name: str) -> property:
@@ -158,6 +172,7 @@ class HPOptimizer(HyperParams):
         self.stepped: tuple[Any, Any] | None = None
         # Set by MixedPrecision(float16): step() then goes through the scaler.
         self.grad_scaler: torch.amp.GradScaler | None = None
+        self._live, self._mirror = [], []  # hypers_as_tensors: tensors, floats
         # Adam, AdamW, NAdam, RAdam can decouple weight decay themselves.
         self._native_wd = "decoupled_weight_decay" in opt.param_groups[0]
         # An int lr or momentum (SGD's default momentum=0) becomes the same
@@ -187,7 +202,7 @@ class HPOptimizer(HyperParams):
         step goes through ``grad_scaler.step``, which skips it when the
         gradients are not finite.
         """
-        self.stepped = lr_and_momentum(self.opt.param_groups[-1])
+        self.stepped = self.lr_and_momentum()
         if self.grad_scaler is not None:
             return self._scaled_step(closure)
         if self.true_wd and not self._native_wd:
@@ -213,9 +228,34 @@ class HPOptimizer(HyperParams):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none=set_to_none)
 
+    def lr_and_momentum(self) -> tuple[Any, Any]:
+        """The last group's lr and momentum as a step uses them now (floats,
+        read from the mirror where they are tensors: no device read)."""
+        return lr_and_momentum(self.opt.param_groups[-1], self._mirror[-1:])
+
+    def hypers_as_tensors(self, names: Any = None) -> tuple[str, ...]:
+        """Holds ``lr``, and Adam's ``betas`` (``mom``, ``beta``), as 0-d
+        tensors on the parameters' device, written in place from then on, so
+        that a compiled optimizer step sees one graph while a schedule changes
+        them (which optimizers take which: ``fitlib.hyper_tensors``). Returns
+        the names held as tensors; ``names`` picks some. A ValueError names
+        the optimizer, the hyper-parameter and the fix where one cannot be a
+        tensor. Idempotent. Getters, ``stepped`` and ``state_dict`` still give
+        floats (a mirror of the tensors: no device read).
+
+        Examples:
+            >>> adamw = HPOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+            >>> adamw.hypers_as_tensors()
+            ('lr', 'mom', 'beta')
+            >>> adamw.lr = 2e-3; adamw.lr, adamw.param_groups[0]["lr"]
+            (0.002, tensor(0.0020))
+        """
+        return as_tensors(self, names)
+
     def state_dict(self) -> dict:
         """The optimizer's state, hyper-parameters included, and ``true_wd``."""
-        return {"opt": self.opt.state_dict(), "true_wd": self.true_wd}
+        state = floats_in(self.opt.state_dict(), self._mirror)  # floats in files
+        return {"opt": state, "true_wd": self.true_wd}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != {"opt", "true_wd"}:
@@ -226,6 +266,7 @@ class HPOptimizer(HyperParams):
                 "use opt.opt.load_state_dict(state)."
             )
         self.opt.load_state_dict(state["opt"])
+        reinstall(self.param_groups, self._live, self._mirror)  # same tensors
         self.true_wd = state["true_wd"]
 
     def __repr__(self) -> str:
@@ -235,20 +276,72 @@ class HPOptimizer(HyperParams):
 
     # -- hyper-parameters ------------------------------------------------------
     def has(self, name: str) -> bool:
-        """Whether the wrapped optimizer has hyper-parameter ``name``."""
-        return self._key(name, raise_missing=False) is not None
+        """Whether the wrapped optimizer has hyper-parameter ``name``: one of
+        ``lr``, ``mom``, ``wd``, ``beta``, or a number that every parameter
+        group holds under that key (``"eps"``, ``"betas[1]"``)."""
+        return self._key(self.canonical(name), raise_missing=False) is not None
 
     def get(self, name: str) -> list[float]:
-        """The value of hyper-parameter ``name`` for every group."""
+        """The value of hyper-parameter ``name`` for every group: ``lr``,
+        ``mom``, ``wd``, ``beta``, or any number in the groups, by its torch
+        name (``"eps"``, ``"betas[1]"``, a custom optimizer's own key).
+
+        Examples:
+            >>> adam = HPOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+            >>> adam.set("eps", 1e-6)
+            >>> adam.get("eps"), adam.get("betas[1]"), adam.beta
+            ([1e-06], [0.999], 0.999)
+        """
+        name = self.canonical(name)
         key, index = self._key(name)
+        if self._mirror and (key, index) in self._mirror[0]:
+            return [floats[key, index] for floats in self._mirror]
         return [_read(g, key, index) for g in self.param_groups]
 
     def set(self, name: str, value: HyperParam) -> None:
-        """Sets hyper-parameter ``name`` (float, or one value per group).
+        """Sets hyper-parameter ``name`` (float, or one value per group), any
+        that ``get`` reads.
 
         The one write path: the properties and schedulers all come here.
         """
+        name = self.canonical(name)
         self._write_values(name, self._per_group(name, value))
+
+    def canonical(self, name: str) -> str:
+        """``name`` as this optimizer's wrapper knows it: a torch key that one
+        of fitlib's names maps onto here is that name (``"weight_decay"`` is
+        ``"wd"``, Adam's ``"betas[0]"`` is ``"mom"``), so both share the
+        decoupled decay and the scale factor; any other name is itself."""
+        alias = ALIASES.get(name)
+        if alias is None:
+            return name
+        key, index = hyper_key(name)
+        if alias == "wd" and key in self.param_groups[0]:
+            return alias  # (with true_wd, wd is not the group's weight_decay)
+        return alias if self._key(alias, False) == (key, index) else name
+
+    def hyper_names(self) -> list[str]:
+        """What ``get``, ``set`` and a schedule can name on this optimizer:
+        fitlib's names it has, then the numbers its parameter groups hold,
+        by their torch names (``"betas[0]"`` for a tuple's element).
+
+        Examples:
+            >>> HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1).hyper_names()
+            ['lr', 'mom', 'wd', 'momentum', 'dampening', 'weight_decay']
+        """
+        names = [n for n in NAMES if self.has(n)]
+        for key, value in self.param_groups[0].items():
+            if key == "params" or key.startswith("fitlib_"):
+                continue
+            if isinstance(value, (tuple, list)):
+                names += [f"{key}[{i}]" for i in range(len(value))]
+            elif key != "lr":
+                names.append(key)
+        return [
+            n
+            for n in names
+            if n in NAMES or groups_hold(self.param_groups, *hyper_key(n))
+        ]
 
     def _write_values(self, name: str, values: list[float]) -> None:
         """Writes checked values, one per group."""
@@ -258,6 +351,8 @@ class HPOptimizer(HyperParams):
         if name == "wd" and not any(values) and not self.has("wd"):
             return  # no weight decay on an optimizer without one: nothing to do
         key, index = self._key(name)
+        if self._live and (key, index) in self._live[0]:
+            return write_live(self._live, self._mirror, (key, index), values)
         for group, v in zip(self.param_groups, values):
             _write(group, key, index, v)
 
@@ -295,6 +390,7 @@ class HPOptimizer(HyperParams):
     def set_scheduled(self, name: str, value: HyperParam) -> None:
         """Sets ``name`` to a schedule's ``value`` times the factors ``scale``
         accumulated in this fit: a reduction persists under a schedule."""
+        name = self.canonical(name)
         values = self._per_group(name, value)
         factors = [g.get(_scale_key(name), 1.0) for g in self.param_groups]
         self._write_values(name, [v * f for v, f in zip(values, factors)])
@@ -303,11 +399,15 @@ class HPOptimizer(HyperParams):
         """Multiplies ``name`` by ``factors`` now, and every value a scheduler
         sets later in this fit (through ``set_scheduled``).
 
+        Any hyper-parameter ``get`` reads can be scaled; ``ReduceLROnPlateau``
+        scales ``lr`` only.
+
         Examples:
             >>> opt.scale("lr", 0.5)  # halves lr, and the rest of the schedule
             >>> opt.lr
             0.05
         """
+        name = self.canonical(name)
         factors = self._per_group(f"{name} factor", factors)
         values = self.get(name)
         for group, f in zip(self.param_groups, factors):
@@ -317,8 +417,8 @@ class HPOptimizer(HyperParams):
     def reset_scales(self) -> None:
         """Forgets the factors of ``scale`` (``fit`` does, as it starts and ends)."""
         for group in self.param_groups:
-            for name in NAMES:
-                group.pop(_scale_key(name), None)
+            for key in [k for k in group if _is_scale_key(k)]:
+                del group[key]
 
     # -- internals -------------------------------------------------------------
     def _set_true_wd(self, values: list[float]) -> None:
@@ -330,31 +430,8 @@ class HPOptimizer(HyperParams):
                 group["weight_decay"] = v if self._native_wd else 0.0
 
     def _key(self, name: str, raise_missing: bool = True) -> tuple | None:
-        group = self.param_groups[0]
-        adam_like = "betas" in group
-        keys = {
-            "lr": ("lr", None),
-            "mom": ("betas", 0) if adam_like else ("momentum", None),
-            "beta": ("betas", 1) if adam_like else ("alpha", None),
-            "wd": (_TRUE_WD_KEY, None) if self.true_wd else ("weight_decay", None),
-        }
-        if name not in keys:
-            raise ValueError(
-                f"unknown hyper-parameter {name!r}; HPOptimizer knows "
-                "'lr', 'mom', 'wd' and 'beta'."
-            )
-        key, index = keys[name]
-        if key in group or (key == _TRUE_WD_KEY and name == "wd"):
-            return key, index
-        if not raise_missing:
-            return None
-        has = [n for n in ("lr", "mom", "wd", "beta") if n != name and self.has(n)]
-        raise ValueError(
-            f"{type(self.opt).__name__} has no hyper-parameter {name!r} (it would "
-            f"map to param_group[{key!r}]). It has: {', '.join(has)}. Fix: do not "
-            f"set {name!r} (e.g. drop a momentum schedule), or use an optimizer "
-            "that has it."
-        )
+        """The (group key, tuple index) of ``name`` (``group_key``)."""
+        return group_key(self, name, raise_missing)
 
     def _per_group(self, name: str, value: HyperParam) -> list[float]:
         """``value`` (one number, or one per group) as one checked float per group."""
@@ -373,10 +450,10 @@ class HPOptimizer(HyperParams):
     def _decay(self, keep: Any = 1) -> None:
         """``p *= 1 - lr * wd``; ``keep`` (a 0/1 device tensor) may cancel it."""
         decays = []
-        for group in self.param_groups:
-            decay = group["lr"] * group.get(_TRUE_WD_KEY, 0.0)
-            if decay:
-                decays.append((decay, group["params"]))
+        for group, floats in zip(self.param_groups, self._mirror or self.param_groups):
+            wd = group.get(_TRUE_WD_KEY, 0.0)
+            if floats.get(("lr", None), group["lr"]) * wd:  # (a float: no read)
+                decays.append((group["lr"] * wd, group["params"]))
         if not decays:  # wd=0: no grad-mode switch at every step
             return
         with torch.no_grad():
@@ -387,10 +464,14 @@ class HPOptimizer(HyperParams):
                         p.mul_(factor)
 
 
-def lr_and_momentum(group: dict) -> tuple[Any, Any]:
-    """A parameter group's lr and momentum (Adam's beta1; None if it has none)."""
+def lr_and_momentum(group: dict, mirror: list[dict] = ()) -> tuple[Any, Any]:
+    """A parameter group's lr and momentum (Adam's beta1; None if it has none);
+    ``mirror``: [the floats of its tensors] (``hypers_as_tensors``), read instead."""
     betas = group.get("betas")
-    return group["lr"], group.get("momentum") if betas is None else betas[0]
+    lr, mom = group["lr"], group.get("momentum") if betas is None else betas[0]
+    if mirror:
+        lr, mom = mirror[0].get(("lr", None), lr), mirror[0].get(("betas", 0), mom)
+    return lr, mom
 
 
 def _read(group: dict, key: str, index: int | None) -> float:
@@ -413,3 +494,7 @@ def _collapse(values: list[float]) -> float | list[float]:
 
 def _scale_key(name: str) -> str:
     return f"fitlib_{name}_scale"  # in the group, so a checkpoint keeps it
+
+
+def _is_scale_key(key: str) -> bool:
+    return key.startswith("fitlib_") and key.endswith("_scale")

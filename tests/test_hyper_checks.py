@@ -95,3 +95,21 @@ def test_opt_func_params_and_parts_are_checked():
     check_no_parts(0.1, "lr")
     with pytest.raises(ValueError, match=r"lr=\{'encoder': 0\.1\} gives a value per"):
         check_no_parts({"encoder": 0.1}, "lr")
+
+
+def test_other_keys_of_the_groups_are_checked_by_what_torch_allows():
+    check_hyper("eps", [0.0, 1e-8])
+    with pytest.raises(ValueError, match=r"eps must be a finite number >= 0"):
+        check_hyper("eps", [-1e-8])
+    check_hyper("gain", [-2.0])  # a custom optimizer's key: any finite number
+    with pytest.raises(ValueError, match=r"gain must be a finite number \(a NaN"):
+        check_hyper("gain", [math.nan])
+    with pytest.raises(TypeError, match=r"Fix: e.g. opt.set\('gain', 0.5\)"):
+        check_hyper("gain", [None])
+
+
+def test_a_fix_sets_fitlibs_names_as_properties_and_others_with_set():
+    from fitlib.hyper_checks import example_setting
+
+    assert example_setting("wd") == "opt.wd = 1e-2"
+    assert example_setting("betas[1]", "0.99") == "opt.set('betas[1]', 0.99)"

@@ -507,3 +507,42 @@ def test_numpy_numbers_and_0_dim_tensors_are_accepted_per_part():
     learn = learner()
     learn.fit(1, lr={"encoder": np.float32(0.5), "decoder": torch.tensor(0.25)})
     assert learn.opt.lr == [0.5, 0.25]
+
+
+# -- any hyper-parameter of a part's groups, by its torch name ---------------------
+def test_a_key_of_one_parts_groups_is_read_and_set_on_that_part():
+    opt = MultiOptimizer(two_opts(EncDec()))
+    opt["encoder"].set("eps", 1e-6)
+    opt.set("eps", {"encoder": 1e-5})
+    assert opt["encoder"].get("eps") == [1e-5]
+    opt.set("weight_decay", 1e-3)  # every part has it
+    assert opt.wd == 1e-3 and opt.get("weight_decay") == [1e-3, 1e-3]
+    assert opt.hyper_names() == ["lr", "mom", "wd", "weight_decay"]
+
+
+def test_a_key_some_parts_lack_names_them_and_a_misspelled_one_says_the_closest():
+    opt = MultiOptimizer(two_opts(EncDec()))
+    with pytest.raises(ValueError, match=r"\{'decoder': 'SGD'\} have no .*'eps'.*"
+                       r"opt\[part\].set\('eps'"):  # fmt: skip
+        opt.set("eps", 1e-6)
+    with pytest.raises(ValueError, match=r"eps\['decoder'\]: SGD has no"):
+        opt.set("eps", {"decoder": 1e-6})
+    with pytest.raises(ValueError, match=r"'epss'.*did you mean 'eps'"):
+        opt.get("epss")
+
+
+def test_a_schedule_of_one_parts_own_key_sets_it_there_every_step():
+    seen = []
+
+    class Eps(Callback):
+        def on_batch_begin(self, opt, train):
+            if train:
+                seen.append(opt["encoder"].param_groups[0]["eps"])
+
+    sched = ParamScheduler({"eps": linear(1e-6, 1e-8)}, part="encoder")
+    assert sched.sets_hypers == ("encoder.eps",)
+    learn = learner(callbacks=[sched, Eps()])
+    learn.fit(2, lr=1e-3)
+    assert seen == pytest.approx([1e-6 - (1e-6 - 1e-8) * i / 11 for i in range(12)])
+    with pytest.raises(ValueError, match=r"schedules \['eps'\].*\['decoder'\]"):
+        learner().fit(1, callbacks=[ParamScheduler({"eps": constant(1e-6)})])

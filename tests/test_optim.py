@@ -144,10 +144,164 @@ def test_loading_a_bare_torch_state_dict_explains_the_fix():
         opt.load_state_dict(opt.opt.state_dict())
 
 
-def test_unknown_hyper_parameter_name():
+def test_a_misspelled_hyper_parameter_lists_what_the_groups_hold():
     opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="knows 'lr', 'mom', 'wd' and 'beta'"):
-        opt.set("momentum", 0.9)
+    with pytest.raises(ValueError, match=r"hold no 'momentom' \(did you mean "
+                       r"'momentum'\?\)") as e:  # fmt: skip
+        opt.set("momentom", 0.9)
+    assert "lr, mom, wd, momentum, dampening, weight_decay" in str(e.value)
+
+
+# -- any hyper-parameter of the parameter groups, by its torch name ----------------
+def test_any_number_in_the_groups_is_read_and_set_by_its_torch_name():
+    adam = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-3)
+    adam.set("eps", 1e-6)
+    adam.set("betas[1]", 0.98)
+    group = adam.param_groups[0]
+    assert group["eps"] == 1e-6 and group["betas"] == (0.9, 0.98)
+    assert adam.get("eps") == [1e-6] and adam.beta == 0.98
+    sgd = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
+    sgd.set("dampening", 0.1)
+    assert sgd.param_groups[0]["dampening"] == 0.1 and sgd.has("dampening")
+    assert not sgd.has("eps") and sgd.has("momentum")
+
+
+def test_hyper_names_list_fitlibs_names_then_the_groups_numbers():
+    adam = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-3)
+    assert adam.hyper_names() == [
+        "lr", "mom", "wd", "beta", "betas[0]", "betas[1]", "eps", "weight_decay",
+    ]  # fmt: skip
+    assert all(adam.has(n) for n in adam.hyper_names())
+
+
+def test_a_value_per_group_must_match_the_groups():
+    body, head = params()
+    groups = [{"params": body.parameters()}, {"params": head.parameters()}]
+    opt = HPOptimizer(groups, torch.optim.Adam, lr=1e-3)
+    opt.set("eps", [1e-8, 1e-6])
+    assert opt.get("eps") == [1e-8, 1e-6]
+    with pytest.raises(ValueError, match=r"eps: got 3 values .* for 2 parameter"):
+        opt.set("eps", [1e-8, 1e-7, 1e-6])
+
+
+@pytest.mark.parametrize(
+    ("torch_name", "ours", "opt_func", "value"),
+    [
+        ("weight_decay", "wd", torch.optim.SGD, 1e-3),
+        ("momentum", "mom", torch.optim.SGD, 0.8),
+        ("betas[0]", "mom", torch.optim.Adam, 0.8),
+        ("betas[1]", "beta", torch.optim.Adam, 0.95),
+        ("alpha", "beta", torch.optim.RMSprop, 0.95),
+    ],
+)
+def test_a_torch_name_of_fitlibs_hyper_parameter_is_the_same_one(
+    torch_name, ours, opt_func, value
+):
+    opt = HPOptimizer(params().parameters(), opt_func, lr=0.1)
+    assert opt.canonical(torch_name) == ours
+    opt.set(torch_name, value)
+    assert getattr(opt, ours) == value
+    opt.scale(torch_name, 0.5)  # one factor, whichever name scales
+    opt.set_scheduled(ours, value)
+    assert getattr(opt, ours) == pytest.approx(value * 0.5)
+
+
+def test_weight_decay_by_its_torch_name_stays_decoupled_with_true_wd():
+    opt = HPOptimizer(params().parameters(), torch.optim.SGD, lr=0.1, true_wd=True)
+    opt.set("weight_decay", 0.1)
+    assert opt.param_groups[0]["weight_decay"] == 0.0  # not the coupled decay
+    assert opt.wd == 0.1 and opt.get("weight_decay") == [0.1]
+
+
+def test_momentum_on_adam_is_refused_not_taken_for_beta1():
+    adam = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-3)
+    assert adam.canonical("momentum") == "momentum"
+    with pytest.raises(ValueError, match="Adam has no hyper-parameter 'momentum'"):
+        adam.set("momentum", 0.9)
+
+
+class Scaled(torch.optim.SGD):
+    """A custom optimizer with its own hyper-parameter in the groups."""
+
+    def __init__(self, params, lr=0.1, gain=1.0):
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group["gain"] = gain
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * group["gain"])
+
+
+def test_a_custom_optimizers_own_key_is_a_hyper_parameter():
+    model = params()
+    opt = HPOptimizer(model.parameters(), Scaled, lr=0.1)
+    assert "gain" in opt.hyper_names()
+    opt.set("gain", -2.0)  # any finite number: fitlib knows no range for it
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    p, g = next(model.parameters()), next(model.parameters()).grad
+    assert torch.allclose(p, before[0] + 0.2 * g)
+    with pytest.raises(ValueError, match="gain must be a finite number"):
+        opt.set("gain", float("inf"))
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (
+            "betas",
+            r"'betas' holds 2 values \(0.9, 0.999\).*name one, e.g. 'betas\[0\]'",
+        ),
+        ("betas[2]", r"'betas' holds \(0.9, 0.999\), which has no number at"),
+        ("amsgrad", "'amsgrad' holds False, not a number"),
+        ("eps.1", "is no hyper-parameter name"),
+        ("epz", r"\(did you mean 'eps'\?\)"),
+    ],
+)
+def test_a_name_the_groups_hold_no_number_under_is_refused(name, message):
+    adam = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-3)
+    with pytest.raises(ValueError, match=message):
+        adam.get(name)
+    assert not adam.has(name) if name != "eps.1" else True
+
+
+def test_a_key_only_some_groups_hold_is_refused():
+    body, head = params()
+    groups = [{"params": body.parameters(), "gain": 1.0}, {"params": head.parameters()}]
+    opt = HPOptimizer(groups, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="only some parameter groups hold 'gain'"):
+        opt.set("gain", 2.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "message"),
+    [
+        ("eps", "1e-8", TypeError, r"eps must be a number .* opt.set\('eps', "),
+        ("eps", -1e-8, ValueError, "eps must be a finite number >= 0"),
+        ("betas[1]", 1.0, ValueError, r"beta must be in \[0, 1\)"),
+        ("weight_decay", -0.1, ValueError, "wd must be a finite number >= 0"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_range_is_refused(name, value, error, message):
+    adam = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-3)
+    with pytest.raises(error, match=message):
+        adam.set(name, value)
+    assert adam.get("eps") == [1e-8] and adam.beta == 0.999  # unchanged
+
+
+def test_scale_of_any_key_persists_under_a_schedule_until_reset():
+    adam = HPOptimizer(params().parameters(), torch.optim.Adam, lr=1e-3)
+    adam.scale("eps", 0.1)
+    adam.set_scheduled("eps", 1e-6)
+    assert adam.get("eps") == [pytest.approx(1e-7)]
+    adam.reset_scales()
+    adam.set_scheduled("eps", 1e-6)
+    assert adam.get("eps") == [1e-6]
+    assert not [k for k in adam.param_groups[0] if k.endswith("_scale")]
 
 
 def test_set_is_the_one_write_path_for_checks_and_decoupled_decay():

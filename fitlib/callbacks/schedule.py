@@ -1,5 +1,22 @@
 """``ParamScheduler``: any hyper-parameter along a schedule, step by step.
 
+What it sets, by the key of its dict:
+
+- an optimizer's hyper-parameter: fitlib's ``lr``, ``mom``, ``wd``, ``beta``,
+  or any number in the parameter groups by its torch name (``"eps"``,
+  ``"weight_decay"``, one element of a tuple ``"betas[1]"``, a custom
+  optimizer's own key), through ``HPOptimizer.set_scheduled``;
+- an attribute of the model or of the loss function, by its dotted path from
+  the fit's ``model`` (unwrapped from DDP or ``torch.compile``) or
+  ``loss_func``: ``"model.head.dropout.p"``, ``"loss_func.label_smoothing"``.
+  It must hold a number (or a floating-point tensor, which is filled in place
+  on its device: no host sync);
+- a setter: a function of the value, called with it (``set_weight(value)``),
+  for what no path reaches.
+
+The position (optimizer steps done) is the state, so a resumed fit sets every
+target to the value an unbroken run had: an attribute needs no saving.
+
 A schedule maps the fraction of a phase done (0 to 1) to a value. A
 hyper-parameter follows one schedule, or several phases one after another,
 each a fraction of the optimizer steps of training. The scheduler sets the
@@ -21,12 +38,18 @@ from typing import Any
 
 from fitlib.callback import Callback
 from fitlib.checks import check_int
-from fitlib.errors import is_number
+from fitlib.errors import did_you_mean, is_number, name_of
+from fitlib.hyper_checks import hyper_name
+from fitlib.schedule_targets import (
+    attribute_owner,
+    check_attribute,
+    set_attribute,
+    target_kind,
+)
 
 Value = float | list[float]  # one value, or one per parameter group
 Schedule = Callable[[float], Value]
 Phases = Schedule | Sequence[tuple[float, Schedule]]
-HYPER_PARAMS = ("lr", "mom", "wd", "beta")
 
 
 class Anneal:
@@ -105,14 +128,22 @@ def constant(value: Value) -> Anneal:
 
 
 class ParamScheduler(Callback):
-    """Sets hyper-parameters (``lr``, ``mom``, ``wd``, ``beta``) every step.
+    """Sets hyper-parameters, and attributes of the model or the loss, every
+    step.
 
     Args:
-        schedules: for each hyper-parameter, a schedule (a function of the
+        schedules: for each target, a schedule (a function of the
             fraction of training done, from 0 to 1, such as ``cosine(a, b)``
             or your own ``lambda pct: ...``), or a list of phases
             ``(fraction of training, schedule)`` whose fractions sum to 1.
-            A value may be a float or one value per parameter group.
+            A target is an optimizer's hyper-parameter (``"lr"``, ``"mom"``,
+            ``"wd"``, ``"beta"``, or a torch name of the parameter groups:
+            ``"eps"``, ``"weight_decay"``, ``"betas[1]"``); an attribute by
+            its path (``"model.head.dropout.p"``, ``"loss_func.weight"``);
+            or a setter function, called with each value. A hyper-parameter's
+            value may be a float or one value per parameter group; an
+            attribute's or a setter's is one number. Names and attributes
+            are checked when training begins, before the first step.
         total_steps: the number of optimizer steps the schedules span; None
             uses the fit's ``n_steps`` (epochs times batches per epoch, divided
             by gradient accumulation). Give it when training is bounded by
@@ -120,6 +151,15 @@ class ParamScheduler(Callback):
             of steps); after the last step the final values stay.
         part: with several optimizers (``MultiOptimizer``), the part whose
             hyper-parameters this schedules; None schedules every part.
+            Attributes and setters are not the optimizer's: ``part`` leaves
+            them alone.
+
+    A reduction of ``ReduceLROnPlateau`` multiplies the ``lr`` a schedule sets
+    (``HPOptimizer.scale``); other targets follow their schedule exactly.
+    After the fit every target keeps its last value. Two schedules of one
+    target in one fit are refused (``sets_hypers``; ``"weight_decay"`` and
+    ``"wd"``, ``"betas[0]"`` and ``"mom"`` are one target); setters are your
+    own functions, not compared.
 
     Examples:
         >>> warmup_cos = [(0.1, linear(0.0, 1e-3)), (0.9, cosine(1e-3, 0.0))]
@@ -128,6 +168,14 @@ class ParamScheduler(Callback):
         History(5 epochs: train_loss ... -> ..., valid_loss ... -> ...)
         >>> opt.lr, opt.mom  # at the end of the schedule
         (0.0, 0.9)
+        >>> net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+        >>> adam = HPOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3)
+        >>> sched = ParamScheduler({"eps": cosine(1e-6, 1e-8),
+        ...                         "model.1.p": linear(0.5, 0.0)})
+        >>> fit(2, net, F.cross_entropy, adam, data, callbacks=[sched])
+        History(2 epochs: train_loss ... -> ..., valid_loss ... -> ...)
+        >>> adam.get("eps"), net[1].p
+        ([1e-08], 0.0)
     """
 
     order = 10
@@ -140,6 +188,7 @@ class ParamScheduler(Callback):
         part: str | None = None,
     ) -> None:
         self.schedules = _check_schedules(schedules)
+        self._kinds = {key: target_kind(key) for key in self.schedules}
         self._plan(total_steps, part)
 
     def _plan(self, total_steps: int | None, part: str | None = None) -> None:
@@ -175,8 +224,17 @@ class ParamScheduler(Callback):
             )
         return opt[self.part]
 
-    def on_train_begin(self, opt: Any, n_steps: int | None, iteration: int) -> None:
-        """Runs before training: checks the optimizer, sets the first values."""
+    def on_train_begin(
+        self,
+        opt: Any,
+        n_steps: int | None,
+        iteration: int,
+        model: Any = None,
+        loss_func: Any = None,
+    ) -> None:
+        """Runs before training: checks the optimizer and the attributes,
+        sets the first values."""
+        self._kinds = {key: target_kind(key) for key in self.schedules}
         opt = self._target(opt)
         if iteration == 0:  # a resumed fit keeps its loaded position
             self.step = 0
@@ -189,39 +247,80 @@ class ParamScheduler(Callback):
                 "steps the schedule spans), e.g. learn.fit_one_cycle(..., "
                 f"total_steps=1000) or {self.name}(..., total_steps=1000)."
             )
-        missing = [name for name in self.schedules if not opt.has(name)]
-        if missing:
-            lacking = getattr(opt, "missing", None)  # the parts that lack one
-            what = (
-                f"the parts {lacking(missing[0])} do"
-                if lacking
-                else f"{type(getattr(opt, 'opt', opt)).__name__} does"
-            )
-            raise ValueError(
-                f"{self.name} schedules {missing}, which {what} not have. Fix: "
-                "drop those schedules (e.g. moms=None), schedule one part "
-                "(part='name'), or use an optimizer that has them."
-            )
-        self._set(opt)
+        self._check_hypers(opt)
+        for key, kind in self._kinds.items():
+            if kind == "attribute":
+                check_attribute(self.name, key, attribute_owner(self.name, key, model,
+                                                        loss_func))  # fmt: skip
+        self._set(opt, model, loss_func)
 
-    def on_step_end(self, opt: Any, skip_step: bool) -> None:
+    def _check_hypers(self, opt: Any) -> None:
+        hypers = [k for k, kind in self._kinds.items() if kind == "hyper"]
+        missing = [name for name in hypers if not opt.has(name)]
+        if not missing:
+            return
+        lacking = getattr(opt, "missing", None)  # the parts that lack one
+        what = (
+            f"the parts {lacking(missing[0])} do"
+            if lacking
+            else f"{type(getattr(opt, 'opt', opt)).__name__} does"
+        )
+        names = opt.hyper_names()
+        raise ValueError(
+            f"{self.name} schedules {missing}, which {what} not have"
+            f"{did_you_mean(missing[0], names)}. What it can schedule there: "
+            f"{', '.join(names)}. Fix: drop those schedules (e.g. moms=None), "
+            "name one of those, schedule one part (part='name'), or use an "
+            "optimizer that has them."
+        )
+
+    def on_step_end(
+        self, opt: Any, skip_step: bool, model: Any = None, loss_func: Any = None
+    ) -> None:
         """Runs after each optimizer step: sets the values for the next one."""
         if not skip_step:  # no step (accumulating gradients): same position
             self.step += 1
-            self._set(self._target(opt))
+            self._set(self._target(opt), model, loss_func)
 
-    def _set(self, opt: Any) -> None:
+    def _set(self, opt: Any, model: Any = None, loss_func: Any = None) -> None:
         step = min(self.step, self.total - 1)
-        for name, phases in self.schedules.items():
-            # Times the factors of reductions (ReduceLROnPlateau) in this fit.
-            opt.set_scheduled(name, value_at(phases, step, self.total))
+        for key, phases in self.schedules.items():
+            value = value_at(phases, step, self.total)
+            kind = self._kinds[key]
+            if kind == "hyper":
+                # Times the factors of reductions (ReduceLROnPlateau) in this fit.
+                opt.set_scheduled(key, value)
+            elif kind == "attribute":
+                owner = attribute_owner(self.name, key, model, loss_func)
+                set_attribute(owner, key.rpartition(".")[2], self._number(key, value))
+            else:
+                key(self._number(key, value))
+
+    def _number(self, key: Any, value: Any) -> float:
+        """An attribute's or a setter's value: one finite number."""
+        if not is_number(value) or not math.isfinite(value):
+            what = key if isinstance(key, str) else f"setter {name_of(key)}"
+            raise (ValueError if is_number(value) else TypeError)(
+                f"{self.name}: the schedule of {what!r} gave {value!r} "
+                f"({type(value).__name__}) at step {self.step}; an attribute or "
+                "a setter takes one finite number. Fix: a schedule of one "
+                "number, e.g. linear(0.5, 0.1)."
+            )
+        return float(value)
 
     @property
     def sets_hypers(self) -> tuple[str, ...]:
-        """The hyper-parameters this scheduler sets at every step (``part.lr``
-        for one part's)."""
+        """The hyper-parameters this scheduler sets at every step, each by one
+        name (``wd`` for ``weight_decay``, ``beta`` for ``betas[1]``;
+        ``part.lr`` for one part's), and the attributes by their paths.
+        Setters are not listed: they are your functions."""
         prefix = "" if self.part is None else f"{self.part}."
-        return tuple(prefix + name for name in self.schedules)
+        kinds = getattr(self, "_kinds", {})
+        return tuple(
+            prefix + hyper_name(key) if kinds.get(key, "hyper") == "hyper" else key
+            for key in self.schedules
+            if kinds.get(key) != "setter"
+        )
 
     def state_dict(self) -> dict:
         """The position in the schedule: optimizer steps done, of how many."""
@@ -267,14 +366,21 @@ def _check_schedules(
             f"schedules must be a non-empty dict of hyper-parameter -> schedule; "
             f"got {schedules!r}. Fix: e.g. {{'lr': cosine(1e-3, 1e-5)}}."
         )
-    out = {}
+    out, seen = {}, {}
     for name, phases in schedules.items():
-        if name not in HYPER_PARAMS:
-            raise ValueError(
-                f"schedules: unknown hyper-parameter {name!r}; HPOptimizer knows "
-                f"{', '.join(map(repr, HYPER_PARAMS))}."
-            )
-        out[name] = _check_phases(name, [(1.0, phases)] if callable(phases) else phases)
+        if target_kind(name) == "hyper":
+            one = hyper_name(name)
+            if one in seen:
+                raise ValueError(
+                    f"schedules: {seen[one]!r} and {name!r} are two names of one "
+                    f"hyper-parameter ({one!r}); each step would set it twice. "
+                    "Fix: keep one of them."
+                )
+            seen[one] = name
+        label = name if isinstance(name, str) else name_of(name)
+        out[name] = _check_phases(
+            label, [(1.0, phases)] if callable(phases) else phases
+        )
     return out
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, Learner
+from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
 from fitlib.callback import call_hook
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.mixed_precision import MixedPrecision
@@ -315,3 +315,115 @@ def test_batches_that_do_not_step_skip_the_gradient_all_reduce():
         call_hook(acc, "on_batch_end")
     # batches 0, 1 and 3, 4 ran inside no_sync; 2 and 5 (the steps) did not.
     assert model.inside == [True, False] * 4
+
+
+# -- the factor by epoch (Lightning's GradientAccumulationScheduler) ----------------
+@pytest.mark.parametrize(
+    ("schedule", "steps"),
+    [
+        ({1: 2, 3: 4}, 10 + 5 + 5 + 3),  # epoch 0 before the first key: 1
+        ({0: 2, 2: 1}, 5 + 5 + 10 + 10),
+        ({0: 3}, 4 * 4),
+    ],
+)
+def test_a_factor_by_epoch_steps_as_scheduled_and_sets_n_steps(schedule, steps):
+    counted = Steps()
+    train(loader(160, 16), schedule, epochs=4, callbacks=[counted])  # 10 batches
+    assert counted.n_steps == len(counted.at) == steps
+
+
+def test_a_group_takes_the_factor_of_its_epoch_and_ends_with_it():
+    counted = Steps()
+    train(loader(100, 16), {0: 3, 1: 2}, epochs=2, callbacks=[counted])
+    assert counted.at == [(0, 2), (0, 5), (0, 6), (1, 1), (1, 3), (1, 5), (1, 6)]
+
+
+def test_a_factor_by_epoch_equals_fits_with_each_factor_in_turn():
+    def weights(*factors):
+        """One fit with ``factors[0]`` as the schedule, or a fit of one
+        epoch per factor, on the same optimizer."""
+        model = mlp()
+        opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
+        data = DataBunch(loader(100, 16), None, device="cpu")
+        if isinstance(factors[0], dict):
+            acc = GradientAccumulation(factors[0])
+            fit(len(factors[0]), model, F.cross_entropy, opt, data, callbacks=[acc])
+        for factor in factors[1:]:
+            acc = GradientAccumulation(factor)
+            fit(1, model, F.cross_entropy, opt, data, callbacks=[acc])
+        return [p.detach() for p in model.parameters()]
+
+    scheduled = weights({0: 3, 1: 1, 2: 2})
+    assert same_weights(scheduled, weights(None, 3, 1, 2))
+    assert not same_weights(scheduled, weights(None, 3, 3, 3))
+
+
+def test_a_one_cycle_schedule_spans_the_steps_each_factor_takes():
+    counted, sched = Steps(), OneCycleScheduler(max_lr=0.1)
+    train(loader(100, 16), {0: 4, 2: 2, 3: 1}, epochs=4,
+          callbacks=[sched, counted])  # fmt: skip
+    assert len(counted.at) == 2 + 2 + 4 + 7 == sched.total == sched.step
+    assert counted.lrs[-1] == pytest.approx(0.1 / sched.final_div)  # the end
+    assert counted.lrs[0] == pytest.approx(0.1 / sched.div_factor)
+
+
+def test_batches_at_reads_the_schedule():
+    acc = GradientAccumulation({2: 4, 5: 2})
+    assert [acc.batches_at(e) for e in range(7)] == [1, 1, 4, 4, 4, 2, 2]
+    assert repr(acc) == "GradientAccumulation(n_batches={2: 4, 5: 2})"
+    assert GradientAccumulation(3).batches_at(10) == 3
+
+
+@pytest.mark.parametrize(
+    "schedule", [{1: 2, -3: 4}, {0: 2, "2": 1}, {1.0: 2}, {True: 2}]
+)
+def test_an_epoch_that_is_not_an_int_from_0_is_refused(schedule):
+    with pytest.raises(
+        ValueError, match=r"each epoch \(key\) of n_batches must be an int >= 0"
+    ):
+        GradientAccumulation(schedule)
+
+
+@pytest.mark.parametrize(
+    "schedule", [{1: 0, 3: 4}, {0: 2, 2: "2"}, {0: 1.5}, {0: None}]
+)
+def test_a_factor_that_is_not_an_int_from_1_is_refused(schedule):
+    with pytest.raises(
+        ValueError, match=r"each value of n_batches must be an int >= 1.*Fix"
+    ):
+        GradientAccumulation(schedule)
+
+
+def test_an_empty_schedule_is_refused():
+    with pytest.raises(ValueError, match=r"n_batches is an empty dict.*Fix"):
+        GradientAccumulation({})
+
+
+def test_two_accumulations_in_one_fit_are_refused_before_training():
+    with pytest.raises(ValueError, match=r"the fit has two.*Fix: keep one"):
+        train(loader(100, 16), 2, callbacks=[GradientAccumulation({0: 4})])
+
+
+def test_a_fit_killed_mid_epoch_resumes_exactly_with_a_factor_by_epoch(tmp_path):
+    from fitlib.callbacks import Checkpoint
+
+    def learner(extra=()):
+        torch.manual_seed(0)
+        train_dl = DataLoader(make_dataset(100), 16, shuffle=True)
+        data = DataBunch(train_dl, loader(37, 16), device="cpu")
+        cbs = [GradientAccumulation({0: 3, 1: 2, 3: 1}), *extra]
+        return Learner(data, mlp(), F.cross_entropy, opt_func=torch.optim.SGD,
+                       progress=False, callbacks=cbs)  # fmt: skip
+
+    reference = learner()
+    reference.fit_one_cycle(4, 0.1)
+    for crash in [4, 11, 19, None]:  # inside groups of epochs 0, 1 and 2
+        extra = [] if crash is None else [helpers.Crash(crash)]
+        resumed = learner([Checkpoint(tmp_path, every_n_steps=1), *extra])
+        try:
+            resumed.fit_one_cycle(4, 0.1)
+        except RuntimeError:
+            assert crash is not None
+    assert all(map(torch.equal, reference.model.state_dict().values(),
+                   resumed.model.state_dict().values()))  # fmt: skip
+    assert reference.recorder.losses == resumed.recorder.losses
