@@ -26,6 +26,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fitlib.checks import check_flag, check_int
 from fitlib.errors import ArgTypeError
+from fitlib.evaluation import valid_loader
 from fitlib.interpret_checks import (
     check_axes,
     check_classes,
@@ -98,7 +99,7 @@ class ClassificationInterpretation:
         ``dl`` goes through it in order (no shuffling, no dropped batch)."""
         where = "from_learner"
         check_learner_args(learn, dl, loss_func)
-        loader = learn._loader(dl)
+        loader = valid_loader(learn, dl)
         preds, targets = learn.get_preds(loader)
         if targets is None:
             raise ValueError(

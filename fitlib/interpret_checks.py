@@ -296,7 +296,7 @@ def check_dataset(dataset: Any, n: int) -> None:
 def check_learner_args(learn: Any, dl: Any, loss_func: Any) -> None:
     """``from_learner``'s arguments: a Learner, a loader, a loss function."""
     where = "ClassificationInterpretation.from_learner"
-    if not (hasattr(learn, "get_preds") and hasattr(learn, "_loader")):
+    if not (hasattr(learn, "get_preds") and hasattr(learn, "data")):
         raise ArgTypeError(
             f"{where}: learn must be a fitlib Learner; got "
             f"{type(learn).__name__}. Fix: from_learner(Learner(data, model, "

@@ -23,10 +23,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+import fitlib.evaluation as evaluation
 import fitlib.ranks as ranks
 from fitlib.callback import Callback, inner_callback
-from fitlib.callback_handler import CallbackHandler, callback_list
+from fitlib.callback_handler import callback_list
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.backbone_finetuning import BackboneFinetuning, set_trainable
 from fitlib.callbacks.channels_last import ChannelsLast, check_convolutional
 from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
@@ -47,12 +49,13 @@ from fitlib.checks import (
     check_path,
     len_or_none,
 )
-from fitlib.core import as_metrics, as_tuple, fit_states, validate
-from fitlib.data import model_device, to_device
+from fitlib.core import as_metrics, fit_states
+from fitlib.data import model_device
 from fitlib.errors import name_of
 from fitlib.history import History
 from fitlib.host_copy import to_floats
 from fitlib.hyper_checks import LR, check_hyper, check_opt_func
+from fitlib.losses import as_loss
 from fitlib.lr_suggestions import SuggestedLRs
 from fitlib.metrics.collection import Metrics
 from fitlib.metrics.functions import accuracy
@@ -60,8 +63,6 @@ from fitlib.multi_optimizer import MultiOptimizer, check_part_names, spread_over
 from fitlib.optim import HPOptimizer
 from fitlib.parts import by_part, part_groups
 from fitlib.resume import give_states
-from fitlib.rng import get_rng_state, set_rng_state
-from fitlib.running_loss import first_tensor
 from fitlib.serialization import (
     atomic_save,
     check_model_state,
@@ -76,15 +77,8 @@ from fitlib.sharding import (
     model_state,
     optimizer_state,
 )
-from fitlib.structure import join, map_tensors
+from fitlib.summary import Summary, learner_summary
 
-NORM_TYPES = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.instancenorm._InstanceNorm,
-    nn.GroupNorm,
-    nn.LayerNorm,
-    nn.LocalResponseNorm,
-)
 _CLASSIFICATION_LOSSES = (F.cross_entropy, F.nll_loss)
 _said: set[str] = set()
 
@@ -123,7 +117,9 @@ class Learner:
         loss_func: called as ``loss_func(output, *targets)``; None (and no
             ``data.loss_func``) for a model that computes its own loss
             (``output.loss`` or ``output["loss"]``, as ``transformers``'
-            models do when the batch holds ``labels``).
+            models do when the batch holds ``labels``); a dict output name ->
+            loss (a list for a tuple output) for a model of several outputs:
+            a ``LossDict``, each output's loss a part of the record.
         opt_func: the torch optimizer class; for several optimizers, a dict
             part name -> class, each part a submodule
             (``{"encoder": Adam, "decoder": partial(SGD, momentum=0.9)}``),
@@ -144,6 +140,8 @@ class Learner:
         progress: show progress bars and the results table.
         compile: train through ``torch.compile`` (True, or a dict of its
             arguments): the same as ``learn.compile(...)``.
+        loss_weights: with a dict (or list) of losses, a number >= 0 per
+            output (default 1), Keras's ``loss_weights``: see ``LossDict``.
 
     Examples:
         >>> learn = Learner(data, model, loss_func=F.cross_entropy,
@@ -171,13 +169,14 @@ class Learner:
         progress: bool = True,
         train_metrics: list | None = None,
         compile: bool | dict = False,
+        loss_weights: dict | list | None = None,
     ) -> None:
         evaluation_only = getattr(data, "train_dl", 0) is None and (
             getattr(data, "valid_dl", None) is not None
         )
         if not evaluation_only:  # (fit checks train_dl when it starts)
             check_data(data)
-        loss_func = loss_func or getattr(data, "loss_func", None)
+        loss_func = as_loss(loss_func or getattr(data, "loss_func", None), loss_weights)
         check_model(model, loss_func)
         self.data, self.model, self.loss_func = data, model, loss_func
         if getattr(data, "device", None) is not None:
@@ -236,6 +235,10 @@ class Learner:
         wd: float | None = None,
         callbacks: Iterable[Callback] | Callback | None = None,
         max_steps: int | None = None,
+        *,
+        max_time: Any = None,
+        train_batches: int | None = None,
+        valid_batches: int | None = None,
     ) -> History:
         """Trains for ``epochs`` epochs (or ``max_steps`` optimizer steps, the
         first reached; ``epochs=None`` trains until ``max_steps``) at ``lr``.
@@ -248,9 +251,22 @@ class Learner:
         Returns this fit's ``History``, the list of its records, one per
         epoch (as ``fitlib.fit``); ``learn.recorder.epoch_table()`` keeps
         those of every fit.
+
+        ``max_time`` (seconds, a ``timedelta``, ``"DD:HH:MM:SS"`` or a dict
+        of ``timedelta``'s arguments) is a wall-clock budget: once spent, the
+        fit is suspended between two steps, and a ``Checkpoint`` resumes it
+        exactly when the script runs again (``TimeLimit``).
+        ``train_batches`` and ``valid_batches`` train and validate on at most
+        that many batches per epoch (the first of each epoch's order). The
+        other ``fit_*`` methods take these three arguments too.
         """
         history = History()
-        steps = self._fit_states(epochs, lr, wd, callbacks, max_steps, history=history)
+        limits = dict(
+            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+        )
+        steps = self._fit_states(
+            epochs, lr, wd, callbacks, max_steps, history=history, limits=limits
+        )
         for _ in steps:
             pass
         return history
@@ -264,6 +280,7 @@ class Learner:
         max_steps: int | None,
         scheduled: bool = False,
         history: list | None = None,
+        limits: dict | None = None,
     ) -> Iterator[dict]:
         """The loop (``fit_states``) over this Learner's model, data and
         callbacks. ``scheduled``: a scheduler among the callbacks sets the lr
@@ -285,6 +302,7 @@ class Learner:
             max_steps=max_steps,
             train_metrics=train_metrics,
             history=history,
+            **(limits or {}),
         )
 
     def _metrics(self, name: str) -> Metrics:
@@ -372,18 +390,13 @@ class Learner:
     def freeze_to(self, n: int) -> None:
         """Freezes the layer groups before ``n`` and unfreezes the rest.
 
-        Normalization layers stay trainable when ``train_bn`` is True.
+        Normalization layers stay trainable when ``train_bn`` is True; a
+        frozen parameter's gradient is dropped, so no optimizer moves it
+        (``set_trainable``).
         """
-        norm = {
-            id(p)
-            for m in self.model.modules()
-            if isinstance(m, NORM_TYPES)
-            for p in m.parameters(recurse=False)
-        }
         n_frozen = len(self.layer_groups[:n])
         for i, group in enumerate(self.layer_groups):
-            for p in group:
-                p.requires_grad_(i >= n_frozen or (self.train_bn and id(p) in norm))
+            set_trainable(group, i >= n_frozen, self.model, self.train_bn)
 
     def freeze(self) -> None:
         """Freezes every layer group but the last (the head)."""
@@ -400,6 +413,25 @@ class Learner:
         self.freeze_to(0)
 
     # -- evaluation ------------------------------------------------------------
+    def summary(self, depth: int | None = None) -> Summary:
+        """The model's layers with output shapes (one forward pass on a
+        training batch, in eval mode, that changes nothing), parameter counts
+        (total, trainable, frozen, per layer group), the optimizer's
+        hyper-parameters per group (``opt_func`` before the first fit), a
+        fit's callbacks in the order they run, and the precision. Prints as
+        a text table; a notebook shows an HTML table. ``depth``: None for
+        every leaf module, ``k`` for the modules ``k`` levels down.
+
+        Examples:
+            >>> learn.summary().total
+            195
+            >>> print(learn.summary(depth=1))
+            Sequential: input [16, 8] (the first training batch), output [16, 3]
+            ...
+            Precision: fp32 (weights float32)
+        """
+        return learner_summary(self, depth, callbacks=self._callbacks(None))
+
     def validate(self, dl: Iterable | None = None) -> dict[str, float]:
         """Loss, metrics and loss parts (``valid_<part>``, for a loss that
         returns a dict) over ``dl`` (the validation set by default), read in
@@ -407,14 +439,7 @@ class Learner:
         fit's validation does, in the Learner's precision, memory format and
         compilation (see ``Callback.in_evaluation``): on the same weights,
         the values of the fit's last record, exactly."""
-        metrics = self._metrics("metrics")
-        values, handler = self._evaluate(
-            self._loader(dl), self.loss_func, metrics, batch_fn=self._batch_fn()
-        )
-        record = handler.tally.record(0, values, metrics.names, math.nan)
-        names = ["valid_loss", *metrics.names]
-        names += [f"valid_{p}" for p in handler.tally.part_names]
-        return {k: record[k] for k in names}
+        return evaluation.validation_values(self, dl)
 
     def get_preds(
         self, dl: Iterable | None = None, activation: Callable | None = None
@@ -437,15 +462,7 @@ class Learner:
         returned in float32: float16 and bfloat16 tensors are cast (so
         ``preds.numpy()`` works), before ``activation``.
         """
-        collect = _Collect()  # validate is the one inference loop
-        self._evaluate(
-            self._loader(dl), _no_loss, collect=collect, batch_fn=self._batch_fn()
-        )
-        preds = _float32(join(collect.outputs))
-        preds = activation(preds) if activation is not None else preds
-        targets = join(collect.targets) if collect.targets else None
-        cpu = torch.device("cpu")
-        return to_device(preds, cpu), to_device(targets, cpu)
+        return evaluation.predictions(self, dl, activation)
 
     def predict(self, x: Any, activation: Callable | None = None) -> Any:
         """The model's output for one item or a batch of items, on the CPU.
@@ -457,71 +474,7 @@ class Learner:
         ``get_preds`` does, in the Learner's precision, memory format and
         compilation; float16 and bfloat16 outputs come back in float32.
         """
-        single = _is_single_item(x, self.data)
-        xb = map_tensors(lambda t: t.unsqueeze(0), x) if single else x
-        collect = _Collect()
-        # One batch of inputs only, (xb,): batch_fn is for the loaders' batches.
-        self._evaluate([(xb,)], _no_loss, collect=collect)
-        out = _float32(collect.outputs[0])
-        out = activation(out) if activation is not None else out
-        if single:
-            out = map_tensors(lambda t: t[0] if t.ndim else t, out)
-        return to_device(out, torch.device("cpu"))
-
-    def _evaluate(
-        self,
-        dl: Iterable,
-        loss_func: Any,
-        metrics: Metrics | None = None,
-        collect: Callback | None = None,
-        batch_fn: Callable[[Any], Any] | None = None,
-    ) -> tuple[list[torch.Tensor], CallbackHandler]:
-        """``validate`` over ``dl`` as a fit's validation runs it: the
-        Learner's callbacks that shape the forward pass (``in_evaluation``:
-        ``MixedPrecision``, ``ChannelsLast``, ``Compile``) set up as a fit
-        starts (``opt=None``), run on each batch, and clean up after, also
-        after an error. The random generators are put back after it (a
-        loader draws a seed), as after a validation inside an epoch: an
-        evaluation inside a fit changes neither its order nor its weights."""
-        rng = get_rng_state(dl)
-        try:
-            return self._evaluate_once(dl, loss_func, metrics, collect, batch_fn)
-        finally:
-            set_rng_state(rng, dl)
-
-    def _evaluate_once(
-        self,
-        dl: Iterable,
-        loss_func: Any,
-        metrics: Metrics | None,
-        collect: Callback | None,
-        batch_fn: Callable[[Any], Any] | None,
-    ) -> tuple[list[torch.Tensor], CallbackHandler]:
-        settings = [cb for cb in self.callbacks if _in_evaluation(cb)]
-        handler = CallbackHandler([*settings, *([collect] if collect else [])])
-        handler.on_train_begin(None, model=self.model, opt=None, data=self.data,
-                               loss_func=loss_func, metrics=metrics)  # fmt: skip
-        exception = None
-        try:
-            values = validate(self.model, dl, loss_func, handler, metrics, batch_fn)
-        except BaseException as e:
-            exception = e
-            raise
-        finally:
-            handler.on_train_end(exception)
-        return values, handler
-
-    def _batch_fn(self) -> Callable[[Any], Any] | None:
-        return getattr(self.data, "batch_fn", None)
-
-    def _loader(self, dl: Iterable | None) -> Iterable:
-        dl = self.data.valid_dl if dl is None else dl
-        if dl is None:
-            raise ValueError(
-                "there is no validation set (data.valid_dl is None). Fix: pass "
-                "a loader, e.g. learn.validate(dl=some_loader)."
-            )
-        return dl
+        return evaluation.prediction(self, x, activation)
 
     # -- saving ----------------------------------------------------------------
     def save(self, name: str | Path, with_opt: bool = True) -> Path:
@@ -573,7 +526,12 @@ class Learner:
             )
         state = safe_load(path, map_location=model_device(self.model))
         if not isinstance(state, dict) or "model" not in state:
-            raise ValueError(f"{str(path)!r} is not a Learner.save file.")
+            raise ValueError(
+                f"{str(path)!r} is not a Learner.save file: it holds no 'model' "
+                "entry (a weights-only file, such as Checkpoint(save_weights_only"
+                "=True)'s best.pth, holds the model's state_dict alone). Fix: "
+                "learn.model.load_state_dict(torch.load(path, weights_only=True))."
+            )
         check_model_state(self.model, state["model"], repr(str(path)))
         with_opt = with_opt and "opt" in state
         if with_opt:
@@ -616,6 +574,9 @@ class Learner:
         total_steps: int | None = None,
         *,
         max_lr: LR | None = None,
+        max_time: Any = None,
+        train_batches: int | None = None,
+        valid_batches: int | None = None,
     ) -> History:
         """Trains with the 1cycle policy (see ``OneCycleScheduler``).
 
@@ -637,7 +598,10 @@ class Learner:
             div_factor=div_factor, pct_start=pct_start, final_div=final_div,
             moms=moms, total_steps=total_steps, **{name: peak},
         )  # fmt: skip
-        return self._fit_scheduled(epochs, wd, sched, callbacks)
+        limits = dict(
+            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+        )
+        return self._fit_scheduled(epochs, wd, sched, callbacks, limits)
 
     def fit_flat_cos(
         self,
@@ -647,6 +611,10 @@ class Learner:
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
+        *,
+        max_time: Any = None,
+        train_batches: int | None = None,
+        valid_batches: int | None = None,
     ) -> History:
         """Trains at ``lr`` for ``pct_start`` of the steps, then anneals to 0.
 
@@ -659,7 +627,10 @@ class Learner:
         _check_fraction("pct_start", pct_start, "Learner.fit_flat_cos")
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        return self._fit_scheduled(epochs, wd, sched, callbacks)
+        limits = dict(
+            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+        )
+        return self._fit_scheduled(epochs, wd, sched, callbacks, limits)
 
     def fit_warmup_cos(
         self,
@@ -669,6 +640,10 @@ class Learner:
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
         total_steps: int | None = None,
+        *,
+        max_time: Any = None,
+        train_batches: int | None = None,
+        valid_batches: int | None = None,
     ) -> History:
         """Warms up linearly from 0 to ``lr``, then anneals along a cosine to 0.
 
@@ -681,7 +656,97 @@ class Learner:
         _check_fraction("pct_warmup", pct_warmup, "Learner.fit_warmup_cos")
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        return self._fit_scheduled(epochs, wd, sched, callbacks)
+        limits = dict(
+            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+        )
+        return self._fit_scheduled(epochs, wd, sched, callbacks, limits)
+
+    def fine_tune(
+        self,
+        epochs: int,
+        base_lr: float = 2e-3,
+        freeze_epochs: int = 1,
+        lr_mult: float = 100,
+        pct_start: float = 0.3,
+        div: float = 5.0,
+        moms: tuple[float, float] | None = (0.95, 0.85),
+        wd: float | None = None,
+        callbacks: Iterable[Callback] | None = None,
+        *,
+        max_time: Any = None,
+        train_batches: int | None = None,
+        valid_batches: int | None = None,
+    ) -> History:
+        """Fine-tunes a pretrained body: ``freeze_epochs`` epochs training the
+        head only, then ``epochs`` epochs training everything, as fastai's.
+
+        The frozen phase is a 1cycle (``pct_start=0.99``, ``div_factor=25``)
+        at ``slice(base_lr)``: every layer group but the last is frozen (as
+        ``freeze()``; with ``train_bn`` their normalization layers train at
+        ``base_lr / 10``). Then every group is unfrozen and a second 1cycle
+        (``pct_start``, ``div_factor=div``) runs at ``slice(base_lr / 2 /
+        lr_mult, base_lr / 2)``, discriminative rates from the first group to
+        the last: fastai halves ``base_lr`` after the frozen phase, and so does
+        this. Both cycles end at their peak divided by ``div_factor * 1e4``.
+
+        It is one fit of ``freeze_epochs + epochs`` epochs (a
+        ``BackboneFinetuning`` unfreezes at epoch ``freeze_epochs``;
+        ``OneCycleScheduler.in_phases`` runs the two cycles, the second from
+        that epoch's first step, however long the epochs are), so it returns
+        one ``History`` with both phases' records, epochs numbered on, and a
+        ``Checkpoint`` among the callbacks resumes a killed ``fine_tune`` in
+        the phase it was in. Every group trains in the second phase, also
+        after an earlier ``freeze()`` and with ``freeze_epochs=0``. A
+        Learner with one layer group is refused before training (there is no
+        head apart from the body: give ``layer_groups``), unless
+        ``freeze_epochs=0``.
+
+        Examples:
+            >>> body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            >>> head = nn.Linear(16, 3)
+            >>> learn = Learner(data, nn.Sequential(body, head), F.cross_entropy,
+            ...                 layer_groups=[body, head], progress=False)
+            >>> learn.fine_tune(2, base_lr=1e-2)  # 1 epoch frozen, then 2
+            History(3 epochs: train_loss ... -> ..., valid_loss ... -> ...,
+                    accuracy ... -> ...)
+            >>> all(p.requires_grad for p in learn.model.parameters())
+            True
+        """
+        owner = "Learner.fine_tune"
+        check_int(epochs, "epochs", minimum=1, owner=owner, example=3)
+        check_int(freeze_epochs, "freeze_epochs", minimum=0, owner=owner, example=1)
+        for name, value, example in (
+            ("base_lr", base_lr, 2e-3),
+            ("lr_mult", lr_mult, 100),
+            ("div", div, 5.0),
+        ):
+            check_number(value, name, above=0, owner=owner, example=example)
+        _check_fraction("pct_start", pct_start, owner)
+        OneCycleScheduler(lr=base_lr, moms=moms)  # checks moms, in its wording
+        if freeze_epochs and len(self.layer_groups) < 2:
+            raise ValueError(
+                f"{owner} trains the head alone for freeze_epochs={freeze_epochs} "
+                "(every layer group but the last frozen), but this Learner has 1 "
+                "layer group, so it would freeze nothing. Fix: Learner(..., "
+                "layer_groups=[body, head]), or freeze_epochs=0."
+            )
+        # (a slice needs two groups: one group trains at the head's rate)
+        top = slice(base_lr / 2 / lr_mult, base_lr / 2)
+        cycles = OneCycleScheduler.in_phases(
+            [(freeze_epochs, slice(base_lr), 25.0, 0.99),
+             (epochs, top if len(self.layer_groups) > 1 else top.stop, div,
+              pct_start)],
+            moms,
+        )  # fmt: skip
+        self.unfreeze()  # as fastai's: whatever an earlier freeze() left
+        cbs = callback_list(callbacks)
+        if freeze_epochs:
+            cbs.insert(0, BackboneFinetuning(freeze_epochs, 1.0, 1.0,
+                                             train_bn=self.train_bn))  # fmt: skip
+        limits = dict(
+            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+        )
+        return self._fit_scheduled(freeze_epochs + epochs, wd, cycles, cbs, limits)
 
     def _fit_scheduled(
         self,
@@ -689,11 +754,12 @@ class Learner:
         wd: float | None,
         sched: Callback,
         callbacks: Iterable[Callback] | None,
+        limits: dict | None = None,
     ) -> History:
         """``fit`` with ``sched`` setting the lr: the optimizer's lr is left
         to it (it holds the lr, spread over the groups). Returns the history."""
         cbs, history = [sched, *callback_list(callbacks)], History()
-        steps = self._fit_states(epochs, None, wd, cbs, None, True, history)
+        steps = self._fit_states(epochs, None, wd, cbs, None, True, history, limits)
         for _ in steps:
             pass
         return history
@@ -759,6 +825,10 @@ class Learner:
         lr: LR | None = None,
         wd: float | None = None,
         callbacks: Iterable[Callback] | None = None,
+        *,
+        max_time: Any = None,
+        train_batches: int | None = None,
+        valid_batches: int | None = None,
     ) -> Iterator[Snapshot]:
         """Trains for ``n_steps`` optimizer steps, yielding a ``Snapshot`` every
         ``every`` steps (and after the last); the same loop as ``fit``.
@@ -779,7 +849,10 @@ class Learner:
         owner = "Learner.fit_snapshots"
         check_int(n_steps, "n_steps", minimum=1, owner=owner, example=500)
         check_int(every, "every", minimum=1, owner=owner, example=25)
-        steps = self._fit_states(None, lr, wd, callbacks, n_steps)
+        limits = dict(
+            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+        )
+        steps = self._fit_states(None, lr, wd, callbacks, n_steps, limits=limits)
         t0, loop_values = (
             time.perf_counter(),
             ("epoch", "step", "train_loss", "lr", "time"),
@@ -813,7 +886,7 @@ class Learner:
         if n_batches is None:
             return num_it  # each epoch has a batch at least: the finder stops
         per_step = math.prod(
-            cb.n_batches
+            cb.batches_at(0)
             for cb in self.callbacks
             if isinstance(cb, GradientAccumulation)
         )
@@ -993,49 +1066,6 @@ def _func_names(opt_func: Any) -> str:
     return funcs[""] if "" in funcs else repr(funcs)
 
 
-def _is_single_item(x: Any, data: Any) -> bool:
-    """Whether ``x`` lacks the batch dimension, judged from a dataset item."""
-    dl = data.valid_dl if getattr(data, "valid_dl", None) is not None else data.train_dl
-    first = first_tensor(x)
-    try:
-        item, batched = dl.dataset[0], 0
-    except (AttributeError, TypeError, IndexError, KeyError, NotImplementedError):
-        if not isinstance(dl, (list, tuple)) or not dl:
-            return False  # nothing to compare with without drawing: a batch
-        item, batched = dl[0], 1  # a list of batches: one has a batch dim
-    # An (x, y) pair's inputs, or inputs only: a tensor, (x,), a dict of inputs.
-    if isinstance(item, (tuple, list)) and len(item) in (1, 2):
-        item = item[0]
-    item = first_tensor(item)
-    return first is not None and item is not None and first.ndim == item.ndim - batched
-
-
-class _Collect(Callback):
-    """Keeps each batch's output and targets, on the device."""
-
-    def __init__(self) -> None:
-        self.outputs: list[Any] = []
-        self.targets: list[torch.Tensor] = []
-
-    def on_batch_end(self, last_output: Any, last_target: Any) -> None:
-        self.outputs.append(last_output)
-        targets = as_tuple(last_target)
-        if targets:  # batches of inputs only have none
-            self.targets.append(targets[0] if len(targets) == 1 else targets)
-
-
-def _float32(out: Any) -> Any:
-    """``out`` with its half-precision tensors (autocast's) in float32."""
-    half = (torch.float16, torch.bfloat16)
-    return map_tensors(lambda t: t.float() if t.dtype in half else t, out)
-
-
-def _no_loss(out: Any, *targets: Any) -> torch.Tensor:
-    """``get_preds`` needs no loss (and a test set may have no targets)."""
-    t = first_tensor(out)
-    return torch.zeros((), device=None if t is None else t.device)
-
-
 def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> None:
     """Refuses a saved optimizer state that cannot continue in ``opt``."""
     whose = ("the file's", "this Learner's")
@@ -1052,11 +1082,6 @@ def _check_optimizer(opt: HPOptimizer, state: dict, path: Path, name: Any) -> No
 def _in_lr_find(cb: Callback) -> bool:
     """Whether ``cb`` (or the callback a filter wraps) takes part in a sweep."""
     return getattr(inner_callback(cb), "in_lr_find", True)
-
-
-def _in_evaluation(cb: Callback) -> bool:
-    """Whether ``cb`` (or the callback a filter wraps) shapes evaluation."""
-    return getattr(inner_callback(cb), "in_evaluation", False)
 
 
 def _is_dist(cb: Callback) -> bool:

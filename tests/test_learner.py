@@ -472,3 +472,50 @@ def test_metrics_set_on_the_learner_as_one_metric_say_the_attribute_fix(tmp_path
     learn.metrics, learn.train_metrics = [], accuracy
     with pytest.raises(TypeError, match=r"learn\.train_metrics = \[accuracy\]"):
         learn.fit(1)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        return {"a": h[:, :3], "b": h[:, 3:]}
+
+
+def test_a_dict_of_losses_and_their_weights_reach_every_record():
+    data = make_data()
+    from fitlib import DataBunch
+
+    twin = DataBunch(data.train_dl, data.valid_dl,
+                     batch_fn=lambda b: (b[0], (b[1], b[0][:, :1])))  # fmt: skip
+    losses = {"a": F.cross_entropy, "b": F.mse_loss}
+    learn = Learner(twin, _TwoHeads(), losses, loss_weights={"b": 0.0},
+                    metrics=[], progress=False)  # fmt: skip
+    record = learn.fit(1, lr=0.1)[-1]
+    assert {"train_a", "train_b", "valid_a", "valid_b"} <= record.keys()
+    # b weighs 0: the loss is a's alone
+    assert record["valid_loss"] == pytest.approx(record["valid_a"])
+    with pytest.raises(TypeError, match=r"loss_weights=.*needs several losses"):
+        Learner(data, make_model(), F.cross_entropy, loss_weights={"a": 1})
+
+
+def test_every_fit_method_takes_the_time_budget_and_the_batch_caps():
+    seen = []
+
+    class Count(Callback):
+        def on_batch_end(self, train):
+            seen.append(train)
+
+    learn = Learner(make_data(), make_model(), F.cross_entropy, progress=False)
+    for method in (learn.fit, learn.fit_one_cycle, learn.fit_flat_cos,
+                   learn.fit_warmup_cos):  # fmt: skip
+        seen.clear()
+        method(1, callbacks=[Count()], train_batches=1, valid_batches=1)
+        assert seen == [True, False], method.__name__
+    seen.clear()
+    list(learn.fit_snapshots(2, every=1, callbacks=[Count()], train_batches=1))
+    assert seen.count(True) == 2
+    history = learn.fit(3, lr=0.1, max_time=1e-9)
+    assert history.stop_reason.startswith("max_time=") and len(history) == 0

@@ -5,7 +5,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import HPOptimizer, Learner, fit
-from fitlib.callback import call_hook
+from fitlib.callback import Callback, call_hook
 from fitlib.callbacks import OneCycleScheduler, Recorder
 
 
@@ -172,3 +172,38 @@ def test_learner_rejects_bad_max_lr_before_training(tmp_path):
     with pytest.raises(ValueError, match="max_lr must be > 0"):
         learn.fit_one_cycle(1, max_lr=0.0)
     assert learn.recorder.lrs == []
+
+
+def test_in_phases_runs_a_cycle_per_phase_from_the_epoch_that_begins_it():
+    lrs = []
+
+    class Probe(Callback):
+        def on_batch_begin(self, opt, train):
+            if train:
+                lrs.append(opt.lr)
+
+    sched = OneCycleScheduler.in_phases([(1, 1e-2, 25.0, 0.5), (0, 1.0, 2.0, 0.5),
+                                         (1, 4e-3, 4.0, 0.5)], moms=None)  # fmt: skip
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    fit(2, model, F.cross_entropy, opt, make_data(), callbacks=[sched, Probe()])
+    assert len(lrs) == 14  # 7 steps an epoch
+    assert lrs[0] == pytest.approx(1e-2 / 25) and lrs[6] == pytest.approx(1e-2 / 25e4)
+    assert lrs[7] == pytest.approx(4e-3 / 4) and lrs[13] == pytest.approx(4e-3 / 4e4)
+    assert sched.state_dict() == {"step": 14, "total": 14, "phase": 2, "start": 7}
+
+
+def test_in_phases_refuses_bad_phases_and_a_fit_of_other_epochs():
+    with pytest.raises(TypeError, match=r"phases\[0\] must be \(epochs, max_lr"):
+        OneCycleScheduler.in_phases([(1, 1e-2)])
+    with pytest.raises(ValueError, match=r"phases\[1\]\[0\] \(epochs\) must be"):
+        OneCycleScheduler.in_phases([(1, 1e-2, 25.0, 0.3), (-1, 1e-2, 25.0, 0.3)])
+    with pytest.raises(ValueError, match="pct_start"):
+        OneCycleScheduler.in_phases([(1, 1e-2, 25.0, 1.5)])
+    with pytest.raises(ValueError, match="0 epochs in all"):
+        OneCycleScheduler.in_phases([(0, 1e-2, 25.0, 0.3)])
+    sched = OneCycleScheduler.in_phases([(1, 1e-2, 25.0, 0.3)])
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, mom=0.9)
+    with pytest.raises(ValueError, match=r"the phases have 1 epochs.*n_epochs=2"):
+        fit(2, model, F.cross_entropy, opt, make_data(), callbacks=[sched])
