@@ -49,6 +49,7 @@ class GradientClipping(Callback):
     """
 
     order = -10  # after mixed precision (-20) unscales, before anything reads
+    compiled_step_safe = True  # its step hooks read nothing on the host
 
     def __init__(
         self,

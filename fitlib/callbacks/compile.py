@@ -11,8 +11,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fitlib.ranks as ranks
 from fitlib.callback import Callback
-from fitlib.checks import check_int
+from fitlib.checks import check_flag, check_int
 from fitlib.errors import ArgTypeError
+from fitlib.sharding import torch_optimizers
+
+# The hooks that run inside a training step, between the loss and the
+# optimizer's step: a callback that overrides one declares whether a compiled
+# step may run with it (``compiled_step_safe``).
+STEP_HOOKS = ("on_backward_begin", "on_backward_end")
 
 
 class Compile(Callback):
@@ -49,15 +55,41 @@ class Compile(Callback):
     first batch, before any step, with the fix: ``backend="aot_eager"``, or
     no ``Compile``.
 
+    ``step=True`` compiles the optimizer's step too (torch's "compiled
+    optimizer": its per-parameter loops become a few fused kernels), for the
+    fit's training only. The loop is unchanged: ``opt.step()`` calls the
+    compiled step, installed on each torch optimizer inside the
+    ``HPOptimizer`` (``MultiOptimizer``: each part's) and taken off when the
+    fit ends, so nothing saved knows of it; a ``GradScaler``'s step stays
+    outside it, and the hooks between backward and step run eagerly around
+    it. The hyper-parameters a schedule changes at every step do not
+    recompile it: they are 0-d tensors (``HPOptimizer.hypers_as_tensors``),
+    or, where one cannot be (SGD's momentum), floats that Dynamo traces as
+    inputs after their first change (one more graph as training starts,
+    none after). The loss stays
+    eager, the loop calls it apart from the model (a model that computes its
+    own loss, ``loss_func=None``, compiles it with the forward). Where the
+    step cannot be compiled the fit says why, once, and steps eagerly: a
+    callback that overrides ``on_backward_begin`` or ``on_backward_end``
+    (inside the step) without declaring ``compiled_step_safe = True``
+    (mixed precision, clipping and accumulation do; one that reads the host
+    or replaces the optimizer's values per step must not), a fused optimizer
+    (``fused=True``: torch.compile does not trace it; ``Learner.to_fp16()``
+    makes one), or one that cannot hold its hyper-parameters as tensors.
+
     Args:
+        step: also compile the optimizer's step (see above).
         **kwargs: ``torch.compile``'s own (``mode``, ``backend``, ``dynamic``,
-            ``fullgraph``, ``options``).
+            ``fullgraph``, ``options``); the step takes ``backend``, ``mode``
+            and ``options``.
 
     Examples:
         >>> learn.compile(mode="max-autotune")  # adds Compile to every fit
         Learner(Sequential, loss_func=cross_entropy, opt_func=AdamW, ...)
         >>> learn.callbacks
         [Compile(mode='max-autotune')]
+        >>> learn.compile(step=True).callbacks  # the optimizer's step too
+        [Compile(step=True)]
 
         With ``fit``: ``fit(3, model, F.cross_entropy, opt, data,
         callbacks=[Compile()])``. The first batches of a fit wait for the
@@ -69,7 +101,8 @@ class Compile(Callback):
     in_lr_find = False  # a short sweep: compiling would take longer than it
     in_evaluation = True  # validate, get_preds, predict: compiled too
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, step: bool = False, **kwargs: Any) -> None:
+        self.step = check_flag(step, "step", owner="Compile")
         allowed = [
             p for p in inspect.signature(torch.compile).parameters if p != "model"
         ]
@@ -95,36 +128,149 @@ class Compile(Callback):
         self._before: list[tuple[nn.Module, Any]] = []
         self._made: Any = None  # the compiled call this callback made last
         self._said = False  # that it compiles (see on_train_begin)
+        self._steps: list[_CompiledStep] = []  # installed by this fit
 
-    def on_train_begin(self, model: nn.Module, opt: Any) -> None:
+    def on_train_begin(
+        self, model: nn.Module, opt: Any, callbacks: list | None = None
+    ) -> None:
         """Runs before training (and before a Learner's evaluation, without
         ``opt``): compiles the model in place (inside DDP), remembering how it
-        was compiled before (a user's own ``model.compile``, or the fit's)."""
+        was compiled before (a user's own ``model.compile``, or the fit's);
+        with ``step=True`` the optimizer's step of a fit too."""
         if isinstance(model, DistributedDataParallel):
             model = model.module  # DDP's forward calls it: compiled from there
         before = getattr(model, "_compiled_call_impl", None)
         self._before.append((model, before))
         if before is not None and before is self._made:
             return  # an evaluation inside this fit: already compiled by it
+        said = "the model (the first batches are slow)."
+        if self.step and opt is not None:
+            eager = self._compile_step(opt, callbacks or [])
+            said = (f"the model (the first batches are slow); the optimizer step "
+                    f"stays eager: {eager}." if eager else "the model and the "
+                    "optimizer step (the first batches are slow).")  # fmt: skip
         # Once per fit (the first batches wait for the compiler, silently
         # otherwise); at an evaluation only if nothing was compiled before.
         if (opt is not None or not self._said) and ranks.is_main():
-            print("fitlib: compiling the model (the first batches are slow).")
+            print(f"fitlib: compiling {said}")
         self._said = True
         model.compile(**self.kwargs)
         self._made = model._compiled_call_impl
 
     def on_train_end(self) -> None:
         """Runs at the end, also after an error: the module is compiled as it
-        was before (plain, unless its user or an enclosing fit compiled it)."""
+        was before (plain, unless its user or an enclosing fit compiled it),
+        and the optimizer steps eagerly again."""
         if self._before:
             model, before = self._before.pop()
             # What nn.Module.compile set, put back: None runs forward again.
             model._compiled_call_impl = before
+        if not self._before:  # (an evaluation inside the fit leaves the step)
+            while self._steps:
+                self._steps.pop().remove()
+
+    def _compile_step(self, opt: Any, callbacks: list) -> str | None:
+        """Installs the compiled step on ``opt``'s torch optimizers, or says
+        why the step stays eager (None: compiled)."""
+        reason = _unsafe_callback(callbacks) or _fused(opt) or _tensor_hypers(opt)
+        if reason is None:
+            kwargs = {k: v for k, v in self.kwargs.items()
+                      if k in ("backend", "mode", "options")}  # fmt: skip
+            self._steps = [_CompiledStep(o, kwargs) for o in torch_optimizers(opt)]
+        return reason
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        given = {"step": True, **self.kwargs} if self.step else self.kwargs
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
         return f"{self.name}({args})"
+
+
+class _CompiledStep:
+    """A torch optimizer's ``step``, compiled, set on the optimizer object
+    (an attribute of the instance over its class's method) until ``remove``.
+    The loop's ``opt.step()`` and a ``GradScaler``'s ``scaler.step(opt)``
+    (with a fused optimizer's ``grad_scale``/``found_inf``) call it; a step
+    with a closure runs eagerly (the closure runs the model)."""
+
+    # A torch LRScheduler made on this optimizer (TorchScheduler's) wraps
+    # ``opt.step`` to note that it was called, unless it says it already
+    # does: this one does, for a bound method's ``__func__`` it lacks.
+    _wrapped_by_lr_sched = True
+
+    def __init__(self, opt: torch.optim.Optimizer, kwargs: dict) -> None:
+        self.opt = opt
+        self.before = opt.__dict__.get("step")  # e.g. an LRScheduler's wrapper
+        self.eager = opt.step
+        self.compiled = torch.compile(self.eager, **kwargs)
+        self.on = True
+        opt.step = self
+
+    def __call__(self, closure: Any = None, **kwargs: Any) -> Any:
+        self.opt._opt_called = True  # what torch's LRScheduler checks
+        if closure is not None or not self.on:
+            return self.eager(closure, **kwargs)
+        return self.compiled(**kwargs)
+
+    def remove(self) -> None:
+        """The optimizer's own step again (where something wrapped this one
+        since, this one runs eagerly inside it)."""
+        self.on = False
+        if self.opt.__dict__.get("step") is self:
+            if self.before is None:
+                del self.opt.step
+            else:
+                self.opt.step = self.before
+
+
+def _overrides(cb: Callback, hook: str) -> bool:
+    return getattr(type(cb), hook, None) is not getattr(Callback, hook)
+
+
+def _unsafe_callback(callbacks: list) -> str | None:
+    """Why a callback keeps the step eager: the first one that overrides a
+    hook inside the step without declaring ``compiled_step_safe = True``."""
+    for cb in callbacks:
+        hooks = [h for h in STEP_HOOKS if _overrides(cb, h)]
+        if hooks and getattr(cb, "compiled_step_safe", None) is not True:
+            return (
+                f"{cb.name} runs inside the step ({', '.join(hooks)}) and does not "
+                f"declare compiled_step_safe = True. Fix: set it on {cb.name} if its "
+                "hooks read nothing on the host and replace none of the optimizer's "
+                "values, or leave it out"
+            )
+    return None
+
+
+def _fused(opt: Any) -> str | None:
+    """Why a fused optimizer keeps its step: torch.compile does not trace it."""
+    for o in torch_optimizers(opt):
+        if any(group.get("fused") for group in o.param_groups):
+            return (
+                f"{type(o).__name__}(fused=True) steps in fused kernels already, "
+                "which torch.compile leaves as they are (Learner.to_fp16() makes "
+                "the optimizer fused: its loss scaler then reads nothing on the "
+                "host). Fix: an optimizer made without fused=True, or no step=True"
+            )
+    return None
+
+
+def _tensor_hypers(opt: Any) -> str | None:
+    """Why ``opt``'s hyper-parameters would recompile the step (None: they
+    will not): turned into 0-d tensors where the optimizer can take them."""
+    as_tensors = getattr(opt, "hypers_as_tensors", None)
+    if as_tensors is not None:
+        try:
+            as_tensors()
+        except ValueError as e:
+            return str(e).rstrip(".")
+        return None
+    if torch._dynamo.config.specialize_float:
+        return (
+            f"{type(opt).__name__} holds its hyper-parameters as floats, and this "
+            f"torch ({torch.__version__}) compiles the step again at each change "
+            "of one (a schedule's, every step). Fix: a newer torch, or no step=True"
+        )
+    return None
 
 
 # torch.compile's arguments that take a bool, or None too.

@@ -63,6 +63,7 @@ class MixedPrecision(Callback):
     """
 
     order = -20  # after GradientAccumulation, before clipping and user callbacks
+    compiled_step_safe = True  # its step hooks read nothing on the host
     in_evaluation = True  # validate, get_preds, predict: in this precision too
 
     def __init__(
