@@ -10,8 +10,10 @@ from fitlib.gan import GANLoss, GANModule, GANOutput
 from fitlib.history import History
 from fitlib.interpret import ClassificationInterpretation
 from fitlib.learner import Learner
+from fitlib.losses import LossDict
 from fitlib.multi_optimizer import MultiOptimizer
 from fitlib.optim import HPOptimizer
+from fitlib.summary import Summary, summarize
 from fitlib.version import __version__ as __version__
 
 __all__ = [
@@ -25,11 +27,14 @@ __all__ = [
     "HPOptimizer",
     "History",
     "Learner",
+    "LossDict",
     "MultiOptimizer",
+    "Summary",
     "fit",
     "fit_states",
     "loss_batch",
     "metrics",
     "sequences",
+    "summarize",
     "validate",
 ]

@@ -8,6 +8,7 @@ gives the rows the reference shows (docs/reference/state.md). The filters
 
 from fitlib.callback import Callback
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.backbone_finetuning import BackboneFinetuning
 from fitlib.callbacks.channels_last import ChannelsLast
 from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
@@ -20,6 +21,7 @@ from fitlib.callbacks.gan_trainer import GANTrainer
 from fitlib.callbacks.lr_finder import LRFinder
 from fitlib.callbacks.mixed_precision import MixedPrecision
 from fitlib.callbacks.mlflow_logger import MLflowLogger
+from fitlib.callbacks.model_summary import ModelSummary
 from fitlib.callbacks.one_cycle import OneCycleScheduler
 from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.progress import ProgressBar
@@ -31,15 +33,19 @@ from fitlib.callbacks.schedule import (
     exponential,
     linear,
 )
+from fitlib.callbacks.stop_when import StopWhen
 from fitlib.callbacks.sweep_bar import SweepBar
 from fitlib.callbacks.tensorboard import TensorBoardLogger
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
 from fitlib.callbacks.text_logger import TextLogger
+from fitlib.callbacks.time_limit import TimeLimit
+from fitlib.callbacks.torch_scheduler import TorchScheduler
 from fitlib.callbacks.train_stats import TrainStats
 from fitlib.callbacks.validation import ValidationSchedule
 from fitlib.lr_suggestions import SuggestedLRs
 
 __all__ = [
+    "BackboneFinetuning",
     "CSVLogger",
     "ChannelsLast",
     "Checkpoint",
@@ -52,16 +58,20 @@ __all__ = [
     "LRFinder",
     "MLflowLogger",
     "MixedPrecision",
+    "ModelSummary",
     "OneCycleScheduler",
     "ParamScheduler",
     "ProgressBar",
     "Recorder",
     "ReduceLROnPlateau",
+    "StopWhen",
     "SuggestedLRs",
     "SweepBar",
     "TensorBoardLogger",
     "TerminateOnNaN",
     "TextLogger",
+    "TimeLimit",
+    "TorchScheduler",
     "TrainStats",
     "ValidationSchedule",
     "constant",
@@ -77,6 +87,10 @@ __all__ = [
 # Why each built-in callback runs where it does (its class's ``order``), in
 # the order of the table; "Callback" stands for yours (the default order).
 ORDER_REASONS: dict[str, str] = {
+    "ModelSummary": (
+        "first of all: shows the model as given, before DistributedTrainer wraps "
+        "or shards it; its one forward runs alone on rank 0 and changes nothing"
+    ),
     "ChannelsLast": (
         "NHWC weights before DDP lays out its buckets; converts each batch "
         "before any other hook"
@@ -114,6 +128,11 @@ ORDER_REASONS: dict[str, str] = {
         "to the epoch record reach the monitors, the Recorder, the loggers and the "
         "bar (40 and up)"
     ),
+    "BackboneFinetuning": (
+        "after your callbacks, before the schedulers: freezes or unfreezes the "
+        "backbone and sets its lr factor as an epoch starts, once Checkpoint "
+        "restored the position"
+    ),
     "ValidationSchedule": (
         "any order: the loop reads what it sets (``skip_validate``, "
         "``validate_now``) after the events"
@@ -124,6 +143,10 @@ ORDER_REASONS: dict[str, str] = {
     "OneCycleScheduler": (
         "sets the hyper-parameters of the next step after each optimizer step"
     ),
+    "TorchScheduler": (
+        "steps a torch lr scheduler after each optimizer step (or epoch) and "
+        "sets the next step's lr"
+    ),
     "LRFinder": (
         "sets the lr of the next step after each optimizer step, and stops the sweep"
     ),
@@ -132,6 +155,14 @@ ORDER_REASONS: dict[str, str] = {
     "EarlyStopping": (
         "after a plateau lowered the lr; the Recorder and the bar still show the "
         "epoch it stops after"
+    ),
+    "StopWhen": (
+        "as EarlyStopping: its condition sees the values your callbacks add; the "
+        "Recorder and the bar still show the epoch it stops after"
+    ),
+    "TimeLimit": (
+        "after the stopping rules: a stop that finishes the run comes first and "
+        "says why; before the Recorder, loggers and bar (they see the suspend)"
     ),
     "Recorder": (
         "after callbacks that change the loss or hyper-params, so it records the "
@@ -168,7 +199,7 @@ def order_table() -> list[tuple[str, int, str]]:
 
     Examples:
         >>> order_table()[0][:2]
-        ('ChannelsLast', -210)
+        ('ModelSummary', -250)
     """
     classes = globals() | {"Callback": Callback}
     rows = [(name, classes[name].order, why) for name, why in ORDER_REASONS.items()]
