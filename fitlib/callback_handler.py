@@ -566,10 +566,10 @@ class CallbackHandler:
             state["iteration"] += 1
             budget = state["max_steps"]
             if budget is not None and state["step"] >= budget:
+                # A stop's reason stands (a suspend's does not: this finishes).
+                first = state["stop_reason"] if state["stop_training"] else None
                 state["stop_training"] = True
-                state["stop_reason"] = (
-                    state["stop_reason"] or f"max_steps={budget} reached"
-                )
+                state["stop_reason"] = first or f"max_steps={budget} reached"
             if self.time_budget is not None:
                 self._check_time()
         state["num_batch"] += 1
@@ -713,9 +713,10 @@ class CallbackHandler:
 
 def _with_reason(cb: Callback, event: str, update: dict, state: dict) -> dict:
     """``update`` with its ``stop_reason`` checked, or the callback's name as
-    the reason of a ``stop_training`` that gives none. The first reason
-    stands (a later stop of the same batch does not replace it), until a
-    ``stop_training`` set False lets training go on: then there is none,
+    the reason of a ``stop_training`` that gives none. The first stop's
+    reason stands (a later stop of the same batch does not replace it; a
+    suspend's reason does not stand: a stop finishes the run instead), until
+    a ``stop_training`` set False lets training go on: then there is none,
     unless the fit is suspended (``suspend`` has its own)."""
     given, reason = update.get("stop_reason"), state["stop_reason"]
     if given is not None and not isinstance(given, str):
@@ -725,9 +726,10 @@ def _with_reason(cb: Callback, event: str, update: dict, state: dict) -> dict:
             "Fix: e.g. {'stop_training': True, 'stop_reason': 'loss below 0.1'}."
         )
     if update.get("stop_training"):
+        first = reason if state["stop_training"] else None  # not a suspend's
         return {
             **update,
-            "stop_reason": reason or given or f"{cb.name} stopped training",
+            "stop_reason": first or given or f"{cb.name} stopped training",
         }
     goes_on = "stop_training" in update and not (
         state["suspend"] or update.get("suspend")

@@ -219,7 +219,7 @@ def fit_states(
                     stop = cb_handler.on_batch_end(loss)
                     yield state
                     if state["suspend"] and not (
-                        state["skip_step"] or state["validate_now"]
+                        state["skip_step"] or state["validate_now"] or stop
                     ):
                         return  # between two steps: to be resumed (a time limit)
                     if stop:

@@ -199,8 +199,6 @@ def final_position(state: dict) -> Position | None:
     )
     if reached or state["stop_training"]:
         return Position(*counts, finished=True)
-    if state.get("suspend") and state["num_batch"] == 0:  # before an epoch
-        return Position(*counts)
     # Between two steps, and no validation asked for and not yet run (a
     # checkpoint does not hold that request): resumable from here.
     if state["train"] and not state["skip_step"] and not state["validate_now"]:

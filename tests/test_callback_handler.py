@@ -827,3 +827,20 @@ def test_a_stop_taken_back_leaves_no_reason():
     opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     history = fit(2, model, F.cross_entropy, opt, make_data(), [Stop(), GoOn()])
     assert len(history) == 2 and history.stop_reason is None
+
+
+def test_the_first_stops_reason_stands_over_a_later_stops_own():
+    class First(Callback):
+        def on_epoch_end(self):
+            return {"stop_training": True, "stop_reason": "first"}
+
+    class Second(Callback):
+        order = 5
+
+        def on_epoch_end(self):
+            return {"stop_training": True, "stop_reason": "second"}
+
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    history = fit(3, model, F.cross_entropy, opt, make_data(), [First(), Second()])
+    assert history.stop_reason == "first"

@@ -153,3 +153,17 @@ def test_another_cap_is_another_run_for_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"batches per epoch .*: the checkpoint's "
                        r"run 4, this run 5"):  # fmt: skip
         capped_fit(tmp_path, [Checkpoint(tmp_path)], train_batches=5)
+
+
+def test_a_stop_in_the_batch_that_suspends_finishes_the_run_with_its_reason(tmp_path):
+    # max_steps is reached at the batch the time runs out: the run finishes,
+    # validates as max_steps says, and its checkpoint is a finished one.
+    learn = learner([Checkpoint(tmp_path), SuspendAt(iteration=3)])
+    history = learn.fit(None, lr=0.1, max_steps=4)
+    assert history.stop_reason == "max_steps=4 reached" and not history.suspended
+    assert len(history) == 1  # the epoch's validation ran
+    assert len(learner([Checkpoint(tmp_path)]).fit(None, lr=0.1, max_steps=4)) == 0
+    # A suspend inside a gradient group, then max_steps at the group's end.
+    seen = learner([SuspendAt(iteration=1), GradientAccumulation(4)])
+    history = seen.fit(None, lr=0.1, max_steps=1)
+    assert history.stop_reason == "max_steps=1 reached" and not history.suspended
