@@ -258,10 +258,8 @@ class Callback:
     # shapes the forward pass (precision, memory format, compilation). Its
     # on_train_begin then gets opt=None (no step), then validation batches.
     in_evaluation: bool = False
-    # Whether a compiled step (``Compile(step=True)``) may run with this
-    # callback's hooks inside the step (on_backward_begin, on_backward_end):
-    # True when they read nothing on the host and replace none of the
-    # optimizer's values; None (not said) keeps the step eager.
+    # Whether Compile(step=True) may compile the step with this callback's
+    # on_backward_begin/end around it (True: they read nothing on the host).
     compiled_step_safe: bool | None = None
     # The hyper-parameters this callback sets outright at every step (a
     # schedule): two such callbacks of one fit may not share one, since the

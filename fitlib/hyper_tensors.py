@@ -19,7 +19,19 @@ running them):
   step breaks its graph there and a GPU step reads the device.
 
 The wrapper keeps a Python float beside each tensor (the mirror), so that
-reading a hyper-parameter never reads the device; files hold the floats.
+reading a hyper-parameter never reads the device; files hold the floats, and
+``HPOptimizer.hypers_as_floats`` puts them back in the groups (``Compile``
+does when its fit ends).
+
+The tensors are float64 on the CPU and float32 on other devices. On the CPU a
+float64 ``lr`` steps exactly as the Python float (a double) does: torch's
+step computes ``lr / bias_correction`` and ``lr * weight_decay`` in the
+tensor's dtype, so a float32 lr rounds them (AdamW, a small MLP, 28 steps:
+weights up to 7e-8 apart with a float32 lr, equal with a float64 one).
+``betas`` stay a little apart in any dtype (1e-7 after those steps): torch
+casts a tensor ``beta1`` to the parameters' dtype for ``lerp_``. Off the CPU,
+torch's capturable and fused steps take the tensors on the parameters'
+device, where float64 is slow or missing (MPS): float32 stays there.
 """
 
 from __future__ import annotations
@@ -64,14 +76,14 @@ def tensor_keys(
     return out
 
 
-def _names(names: Any) -> tuple[str, ...]:
+def _names(names: Any, owner: str = "hypers_as_tensors") -> tuple[str, ...]:
     names = (names,) if isinstance(names, str) else tuple(names)
     unknown = [n for n in names if n not in ("lr", "mom", "beta", "wd")]
     if unknown or not names:
         raise ValueError(
-            f"hypers_as_tensors: names must be some of 'lr', 'mom', 'beta', 'wd'; "
-            f"got {names!r}. Fix: e.g. opt.hypers_as_tensors(('lr', 'mom')), or "
-            "no names for every one the optimizer takes as a tensor."
+            f"{owner}: names must be some of 'lr', 'mom', 'beta', 'wd'; "
+            f"got {names!r}. Fix: e.g. opt.{owner}(('lr', 'mom')), or no names "
+            "for every one the optimizer takes (or holds) as a tensor."
         )
     return names
 
@@ -139,18 +151,20 @@ def _check_flags(opt: torch.optim.Optimizer, kind: str) -> None:
 
 
 def make_live(groups: list[dict], keys: dict[str, Key]) -> tuple[Live, Mirror]:
-    """Puts a 0-d float32 tensor on each group's parameters' device in place
-    of each value under ``keys`` (a tuple's elements all at once); returns the
-    tensors and the floats they hold, per group."""
+    """Puts a 0-d tensor on each group's parameters' device (float64 on the
+    CPU, float32 elsewhere: see the module's docstring) in place of each value
+    under ``keys`` (a tuple's elements all at once); returns the tensors and
+    the floats they hold, per group."""
     live: Live = []
     mirror: Mirror = []
     for group in groups:
         device = group["params"][0].device
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
         tensors, floats = {}, {}
         for key, index in keys.values():
             floats[(key, index)] = float(_get(group, key, index))
             tensors[(key, index)] = torch.tensor(
-                floats[(key, index)], dtype=torch.float32, device=device
+                floats[(key, index)], dtype=dtype, device=device
             )
         live.append(tensors)
         mirror.append(floats)
@@ -162,12 +176,26 @@ def install(group: dict, tensors: dict[Key, torch.Tensor]) -> None:
     """Puts ``tensors`` into ``group`` under their keys: a tuple's (``betas``)
     are rebuilt from the group's tuple with the tensors in their places."""
     for (key, index), tensor in tensors.items():
-        if index is None:
-            group[key] = tensor
-        else:
-            pair = list(group[key])
-            pair[index] = tensor
-            group[key] = tuple(pair)
+        put(group, key, index, tensor)
+
+
+def put(group: dict, key: str, index: int | None, value: Any) -> None:
+    """Writes ``value`` into a parameter group at ``key``, or at element
+    ``index`` of the tuple under ``key`` (``betas``), rebuilt with ``value``
+    in its place (torch's groups hold tuples, which cannot be written).
+
+    Examples:
+        >>> from fitlib.hyper_tensors import put
+        >>> group = {"lr": 0.1, "betas": (0.9, 0.999)}
+        >>> put(group, "betas", 1, 0.99); put(group, "lr", None, 0.2); group
+        {'lr': 0.2, 'betas': (0.9, 0.99)}
+    """
+    if index is None:
+        group[key] = value
+    else:
+        pair = list(group[key])
+        pair[index] = value
+        group[key] = tuple(pair)
 
 
 def reinstall(groups: list[dict], live: Live, mirror: Mirror) -> None:
@@ -187,12 +215,7 @@ def floats_in(state: dict, mirror: Mirror) -> dict:
     with the mirror's floats in their places; ``state`` itself, changed."""
     for group, floats in zip(state["param_groups"], mirror):
         for (key, index), value in floats.items():
-            if index is None:
-                group[key] = value
-            else:
-                pair = list(group[key])
-                pair[index] = value
-                group[key] = tuple(pair)
+            put(group, key, index, value)
     return state
 
 
@@ -205,16 +228,38 @@ def as_tensors(opt: Any, names: Any = None) -> tuple[str, ...]:
     """``HPOptimizer.hypers_as_tensors``: converts in place, once per
     hyper-parameter; the names held as tensors."""
     keys = tensor_keys(opt.opt, names, opt.has, opt.true_wd)
-    held = opt._mirror[0] if opt._mirror else {}
-    new = {n: k for n, k in keys.items() if k not in held}
+    have = opt._mirror[0] if opt._mirror else {}
+    new = {n: k for n, k in keys.items() if k not in have}
     if new:
         live, mirror = make_live(opt.param_groups, new)
         if not opt._live:
             opt._live, opt._mirror = [{} for _ in live], [{} for _ in mirror]
         for old, add in zip(opt._live + opt._mirror, live + mirror):
             old.update(add)
-    held = opt._mirror[0] if opt._mirror else {}
-    return tuple(n for n, k in NAMED_KEYS.items() if k in held)
+    return held(opt)
+
+
+def held(opt: Any) -> tuple[str, ...]:
+    """The names an ``HPOptimizer`` holds as tensors now (from its mirror)."""
+    keys = opt._mirror[0] if opt._mirror else {}
+    return tuple(n for n, k in NAMED_KEYS.items() if k in keys)
+
+
+def as_floats(opt: Any, names: Any = None) -> tuple[str, ...]:
+    """``HPOptimizer.hypers_as_floats``: the mirror's floats put back in the
+    groups in place of the tensors (of ``names``, or all; both betas or
+    neither); the names still held as tensors."""
+    names = held(opt) if names is None else _names(names, "hypers_as_floats")
+    keys = {NAMED_KEYS[n] for n in names if n in NAMED_KEYS}  # ('wd': never held)
+    if keys & set(_BETAS.values()):
+        keys |= set(_BETAS.values())
+    for group, tensors, floats in zip(opt.param_groups, opt._live, opt._mirror):
+        for key in keys & set(floats):
+            put(group, *key, floats.pop(key))
+            del tensors[key]
+    if opt._mirror and not opt._mirror[0]:
+        opt._live, opt._mirror = [], []
+    return held(opt)
 
 
 def write_live(live: Live, mirror: Mirror, key: Key, values: list[float]) -> None:

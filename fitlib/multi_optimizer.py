@@ -164,6 +164,21 @@ class MultiOptimizer(HyperParams):
                 raise ValueError(f"MultiOptimizer part {name!r}: {e}") from None
         return done
 
+    def hypers_as_floats(self, names: Any = None) -> dict[str, tuple[str, ...]]:
+        """``HPOptimizer.hypers_as_floats`` on every part (floats again, read
+        from each part's mirror): the names each part still holds as tensors.
+
+        Examples:
+            >>> body, head = nn.Linear(8, 16), nn.Linear(16, 3)
+            >>> multi = MultiOptimizer({
+            ...     "body": torch.optim.AdamW(body.parameters(), lr=1e-3),
+            ...     "head": torch.optim.SGD(head.parameters(), lr=0.1)})
+            >>> _ = multi.hypers_as_tensors()
+            >>> multi.hypers_as_floats(), multi.param_groups[1]["lr"]
+            ({'body': (), 'head': ()}, 0.1)
+        """
+        return {name: p.hypers_as_floats(names) for name, p in self.parts.items()}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none is not True:  # (per batch: the default goes unchecked)
             set_to_none = check_flag(  # 'no' would be taken as True

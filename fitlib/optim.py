@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+import fitlib.hyper_tensors as hyper_tensors
 from fitlib.grad_scaling import found_inf
 from fitlib.hyper_checks import (
     ALIASES,
@@ -59,7 +60,6 @@ from fitlib.hyper_checks import (
 )
 from fitlib.hyper_checks import NAMES as _NAMES
 from fitlib.hyper_checks import TRUE_WD_KEY as _TRUE_WD_KEY
-from fitlib.hyper_tensors import as_tensors, floats_in, reinstall, write_live
 
 HyperParam = float | Sequence[float]
 NAMES = _NAMES  # fitlib's names of hyper-parameters (hyper_checks.NAMES)
@@ -70,7 +70,8 @@ def _hyper(name: str) -> property:
     value when every group shares it; sets ``set(name, value)``."""
 
     def read(self: HyperParams) -> float | list[float]:
-        return _collapse(self.get(name))
+        values = self.get(name)  # one value where every group has the same
+        return values[0] if all(v == values[0] for v in values) else values
 
     def write(self: HyperParams, value: HyperParam) -> None:
         self.set(name, value)
@@ -235,27 +236,41 @@ class HPOptimizer(HyperParams):
 
     def hypers_as_tensors(self, names: Any = None) -> tuple[str, ...]:
         """Holds ``lr``, and Adam's ``betas`` (``mom``, ``beta``), as 0-d
-        tensors on the parameters' device, written in place from then on, so
-        that a compiled optimizer step sees one graph while a schedule changes
-        them (which optimizers take which: ``fitlib.hyper_tensors``). Returns
-        the names held as tensors; ``names`` picks some. A ValueError names
-        the optimizer, the hyper-parameter and the fix where one cannot be a
-        tensor. Idempotent. Getters, ``stepped`` and ``state_dict`` still give
-        floats (a mirror of the tensors: no device read).
+        tensors on the parameters' device (float64 on the CPU, where a step
+        equals the float one; float32 elsewhere), written in place from then
+        on, so that a compiled optimizer step sees one graph while a schedule
+        changes them (which optimizers take which, and why those dtypes:
+        ``fitlib.hyper_tensors``). Returns the names held as tensors; ``names``
+        picks some; a ValueError names the optimizer, the hyper-parameter and
+        the fix where one cannot be a tensor. Idempotent. Getters, ``stepped``
+        and ``state_dict`` still give floats (a mirror: no device read).
 
         Examples:
             >>> adamw = HPOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
             >>> adamw.hypers_as_tensors()
             ('lr', 'mom', 'beta')
             >>> adamw.lr = 2e-3; adamw.lr, adamw.param_groups[0]["lr"]
-            (0.002, tensor(0.0020))
+            (0.002, tensor(0.0020, dtype=torch.float64))
         """
-        return as_tensors(self, names)
+        return hyper_tensors.as_tensors(self, names)
+
+    def hypers_as_floats(self, names: Any = None) -> tuple[str, ...]:
+        """Undoes ``hypers_as_tensors`` for ``names``, or all: the mirror's floats
+        back in the groups (no device read); returns the names still tensors.
+
+        Examples:
+            >>> adamw = HPOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+            >>> adamw.hypers_as_tensors(), adamw.hypers_as_floats(("lr",))
+            (('lr', 'mom', 'beta'), ('mom', 'beta'))
+            >>> adamw.param_groups[0]["lr"]
+            0.001
+        """
+        return hyper_tensors.as_floats(self, names)
 
     def state_dict(self) -> dict:
         """The optimizer's state, hyper-parameters included, and ``true_wd``."""
-        state = floats_in(self.opt.state_dict(), self._mirror)  # floats in files
-        return {"opt": state, "true_wd": self.true_wd}
+        state = hyper_tensors.floats_in(self.opt.state_dict(), self._mirror)
+        return {"opt": state, "true_wd": self.true_wd}  # floats in files
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != {"opt", "true_wd"}:
@@ -266,7 +281,7 @@ class HPOptimizer(HyperParams):
                 "use opt.opt.load_state_dict(state)."
             )
         self.opt.load_state_dict(state["opt"])
-        reinstall(self.param_groups, self._live, self._mirror)  # same tensors
+        hyper_tensors.reinstall(self.param_groups, self._live, self._mirror)
         self.true_wd = state["true_wd"]
 
     def __repr__(self) -> str:
@@ -350,11 +365,11 @@ class HPOptimizer(HyperParams):
             return
         if name == "wd" and not any(values) and not self.has("wd"):
             return  # no weight decay on an optimizer without one: nothing to do
-        key, index = self._key(name)
-        if self._live and (key, index) in self._live[0]:
-            return write_live(self._live, self._mirror, (key, index), values)
+        key = self._key(name)  # (group key, tuple index)
+        if self._live and key in self._live[0]:
+            return hyper_tensors.write_live(self._live, self._mirror, key, values)
         for group, v in zip(self.param_groups, values):
-            _write(group, key, index, v)
+            hyper_tensors.put(group, *key, v)
 
     def set_lr(self, lr: LR, name: str = "lr") -> None:
         """Sets the learning rate to train at, as the constructor does: a
@@ -417,8 +432,9 @@ class HPOptimizer(HyperParams):
     def reset_scales(self) -> None:
         """Forgets the factors of ``scale`` (``fit`` does, as it starts and ends)."""
         for group in self.param_groups:
-            for key in [k for k in group if _is_scale_key(k)]:
-                del group[key]
+            for key in [k for k in group if k.endswith("_scale")]:
+                if key.startswith("fitlib_"):  # (_scale_key's)
+                    del group[key]
 
     # -- internals -------------------------------------------------------------
     def _set_true_wd(self, values: list[float]) -> None:
@@ -479,22 +495,5 @@ def _read(group: dict, key: str, index: int | None) -> float:
     return float(value if index is None else value[index])
 
 
-def _write(group: dict, key: str, index: int | None, value: float) -> None:
-    if index is None:
-        group[key] = value
-    else:
-        pair = list(group[key])
-        pair[index] = value
-        group[key] = tuple(pair)
-
-
-def _collapse(values: list[float]) -> float | list[float]:
-    return values[0] if all(v == values[0] for v in values) else values
-
-
 def _scale_key(name: str) -> str:
     return f"fitlib_{name}_scale"  # in the group, so a checkpoint keeps it
-
-
-def _is_scale_key(key: str) -> bool:
-    return key.startswith("fitlib_") and key.endswith("_scale")

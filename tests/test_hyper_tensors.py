@@ -220,3 +220,45 @@ def param_groups(saved):
     found = saved.get("param_groups")
     found = found if isinstance(found, list) else []
     return found + [g for v in saved.values() for g in param_groups(v)]
+
+
+def test_hypers_as_floats_puts_the_mirrors_floats_back_without_a_device_read():
+    opt = HPOptimizer(mlp().parameters(), torch.optim.AdamW, lr=1e-3)
+    opt.hypers_as_tensors()
+    opt.lr, opt.mom = 1 / 3, 0.8  # 1/3: a float32 tensor could not hold it
+    group = opt.param_groups[0]
+    group["lr"].fill_(5.0)  # what the floats come from: the mirror, not the tensor
+    assert opt.hypers_as_floats(("lr",)) == ("mom", "beta")
+    assert type(group["lr"]) is float and group["lr"] == 1 / 3
+    assert isinstance(group["betas"][0], torch.Tensor)
+    assert opt.hypers_as_floats() == ()
+    assert group["betas"] == (0.8, 0.999) and type(group["betas"][0]) is float
+    assert opt.hypers_as_floats() == ()  # idempotent
+    opt.lr = 0.1  # the setters write floats again
+    assert group["lr"] == 0.1 and opt.hypers_as_tensors() == ("lr", "mom", "beta")
+
+
+def test_multi_optimizer_puts_floats_back_in_every_part():
+    body, head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+    multi = MultiOptimizer({
+        "body": torch.optim.AdamW(body.parameters(), lr=1e-3),
+        "head": torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9),
+    })  # fmt: skip
+    multi.hypers_as_tensors()
+    assert multi.hypers_as_floats() == {"body": (), "head": ()}
+    assert [type(g["lr"]) for g in multi.param_groups] == [float, float]
+    assert multi.lr == [1e-3, 0.1]
+
+
+def test_a_tensor_lr_on_the_cpu_steps_as_the_float_lr_does():
+    # float64 on the CPU: lr / bias_correction computed as with a Python float.
+    def trained(tensors):
+        model = mlp()
+        opt = HPOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        if tensors:
+            opt.hypers_as_tensors(("lr",))
+        fit(1, model, F.cross_entropy, opt, make_data())
+        return model
+
+    for a, b in zip(trained(True).parameters(), trained(False).parameters()):
+        assert torch.equal(a, b)

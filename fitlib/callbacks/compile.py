@@ -13,6 +13,9 @@ import fitlib.ranks as ranks
 from fitlib.callback import Callback
 from fitlib.checks import check_flag, check_int
 from fitlib.errors import ArgTypeError
+from fitlib.hyper_tensors import held
+from fitlib.multi_optimizer import MultiOptimizer
+from fitlib.optim import HPOptimizer
 from fitlib.sharding import torch_optimizers
 
 # The hooks that run inside a training step, between the loss and the
@@ -129,6 +132,8 @@ class Compile(Callback):
         self._made: Any = None  # the compiled call this callback made last
         self._said = False  # that it compiles (see on_train_begin)
         self._steps: list[_CompiledStep] = []  # installed by this fit
+        # (HPOptimizer, the names this fit made tensors): floats again after it
+        self._tensors: list[tuple[HPOptimizer, tuple[str, ...]]] = []
 
     def on_train_begin(
         self, model: nn.Module, opt: Any, callbacks: list | None = None
@@ -168,11 +173,21 @@ class Compile(Callback):
         if not self._before:  # (an evaluation inside the fit leaves the step)
             while self._steps:
                 self._steps.pop().remove()
+            while self._tensors:  # a later eager fit steps as before this one
+                part, names = self._tensors.pop()
+                if names:
+                    part.hypers_as_floats(names)
 
     def _compile_step(self, opt: Any, callbacks: list) -> str | None:
         """Installs the compiled step on ``opt``'s torch optimizers, or says
         why the step stays eager (None: compiled)."""
+        parts = list(opt.parts.values()) if isinstance(opt, MultiOptimizer) else [opt]
+        parts = [p for p in parts if isinstance(p, HPOptimizer)]
+        before = [held(p) for p in parts]
         reason = _unsafe_callback(callbacks) or _fused(opt) or _tensor_hypers(opt)
+        # (also where a part refused: the parts before it were converted)
+        self._tensors = [(p, tuple(n for n in held(p) if n not in was))
+                         for p, was in zip(parts, before)]  # fmt: skip
         if reason is None:
             kwargs = {k: v for k, v in self.kwargs.items()
                       if k in ("backend", "mode", "options")}  # fmt: skip

@@ -1,9 +1,17 @@
 """``TorchScheduler``: a ``torch.optim.lr_scheduler`` scheduler as a schedule.
 
 The scheduler is made in ``on_train_begin``, where the fit's optimizer
-exists, by a function of the torch optimizer that you give
+exists, by a function of a torch optimizer that you give
 (``lambda opt: CosineAnnealingLR(opt, T_max=100)``): one per part of a
-``MultiOptimizer`` (or for one part, ``part=``). It steps after every
+``MultiOptimizer`` (or for one part, ``part=``). The optimizer it gets is a
+stand-in: an optimizer of the fit's class, with the same parameter groups
+and hyper-parameters as Python floats, over one empty tensor per group. The
+torch scheduler runs on it and never touches the fit's optimizer; after each
+of its steps the callback writes the stand-in's lr (and momentum, with
+``mom=True``) into the fit's. So a schedule costs no device read at any
+step, even where the optimizer holds its lr as a tensor
+(``HPOptimizer.hypers_as_tensors``, ``Compile(step=True)``), and its values
+are the float schedule's, bit for bit. It steps after every
 optimizer step (``interval="step"``; a batch that does not step, under
 gradient accumulation, does not count) or at every epoch's end
 (``interval="epoch"``), every ``frequency`` of them.
@@ -30,6 +38,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from fitlib.callback import Callback
 from fitlib.checks import check_flag, check_int
+from fitlib.optim import HPOptimizer
 
 Factory = Callable[[torch.optim.Optimizer], LRScheduler]
 INTERVALS = ("step", "epoch")
@@ -43,7 +52,10 @@ class TorchScheduler(Callback):
         factory: a function of a torch optimizer that returns a
             ``torch.optim.lr_scheduler.LRScheduler`` made on it, e.g.
             ``lambda opt: StepLR(opt, step_size=2)``; called as each fit
-            begins (once per part of a ``MultiOptimizer``). A scheduler
+            begins (once per part of a ``MultiOptimizer``) with a stand-in
+            of the fit's optimizer: the same class and parameter groups, its
+            hyper-parameters as Python floats (``opt.param_groups[0]["lr"]``
+            is a float), one empty tensor per group as the parameters. A scheduler
             class that needs more than the optimizer (``StepLR``) is refused
             with the fix; one that takes the optimizer alone is a factory.
         interval: ``"step"`` (after each optimizer step) or ``"epoch"``
@@ -105,6 +117,7 @@ class TorchScheduler(Callback):
         self.part = part
         self.schedulers: list[LRScheduler] = []
         self._parts: list[Any] = []
+        self._wrapped: dict[int, HPOptimizer] = {}  # stand-ins, by scheduler id
         self.intervals = 0  # intervals (steps or epochs) done in this fit
         self._loaded: dict | None = None
 
@@ -122,8 +135,9 @@ class TorchScheduler(Callback):
         target = _target(opt, self.part, self.name)
         self._parts = list(getattr(target, "parts", {"": target}).values())
         resumed = iteration > 0 and self._loaded is not None
-        self.schedulers = [self._make(p.opt, resumed) for p in self._parts]
-        if resumed:
+        self.schedulers = [self._make(p, resumed) for p in self._parts]
+        self._wrapped = {id(s): HPOptimizer.wrap(s.optimizer) for s in self.schedulers}
+        if resumed:  # the checkpoint's rates are in the optimizer already
             self._restore(self._loaded)
         else:
             self.intervals = 0
@@ -147,35 +161,30 @@ class TorchScheduler(Callback):
         if self.intervals % self.frequency:
             return
         for part, sched in zip(self._parts, self.schedulers):
-            # The scheduler's own (unscaled) rates: chained formulas read them
-            # (through the wrapper: a tensor lr is filled in place).
-            part.set("lr", list(sched.get_last_lr()))
-            sched.step()
+            sched.step()  # on the stand-in: Python floats, no device read
             self._apply(part, sched)
 
     def _apply(self, part: Any, sched: LRScheduler) -> None:
-        """The scheduler's values, times ``scale``'s factors, into ``part``."""
-        part.set_scheduled("lr", sched.get_last_lr())
-        if self.mom:  # the scheduler wrote it as it is: now times its factors
-            part.set_scheduled("mom", part.get("mom"))
+        """The stand-in's values, times ``scale``'s factors, into ``part``."""
+        groups = sched.optimizer.param_groups
+        part.set_scheduled("lr", [group["lr"] for group in groups])
+        if self.mom:  # (the wrapper reads the stand-in's key for momentum)
+            part.set_scheduled("mom", self._wrapped[id(sched)].get("mom"))
 
-    def _make(self, torch_opt: torch.optim.Optimizer, resumed: bool) -> LRScheduler:
-        groups = torch_opt.param_groups
-        held = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        if not resumed:  # (torch keeps an earlier scheduler's initial_lr)
-            for group in groups:
-                group.pop("initial_lr", None)
-        sched = self.factory(torch_opt)
-        self._check(sched, torch_opt)
-        # Making it sets the rates of its step 0 ("_opt_called": fitlib steps
-        # the optimizer first; a step a GradScaler skipped would warn).
-        torch_opt._opt_called = True
-        if resumed:  # the checkpoint's rates, not step 0's
-            for group, values in zip(groups, held):
+    def _make(self, part: Any, resumed: bool) -> LRScheduler:
+        stand_in = _stand_in(part)
+        held = [dict(group) for group in stand_in.param_groups]
+        sched = self.factory(stand_in)
+        self._check(sched, stand_in)
+        if resumed:  # the checkpoint's values (not step 0's), as the fit's
+            for group, values in zip(stand_in.param_groups, held):
                 group.update(values)
+        # Making it sets the rates of its step 0 in the stand-in, and fitlib
+        # steps the optimizer before the scheduler: no torch warning.
+        stand_in._opt_called = True
         return sched
 
-    def _check(self, sched: Any, torch_opt: torch.optim.Optimizer) -> None:
+    def _check(self, sched: Any, stand_in: torch.optim.Optimizer) -> None:
         fix = "Fix: e.g. TorchScheduler(lambda opt: StepLR(opt, step_size=2))."
         if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise ValueError(
@@ -189,11 +198,11 @@ class TorchScheduler(Callback):
                 f"{self.name}: the factory returned {type(sched).__name__}, not "
                 f"a torch.optim.lr_scheduler.LRScheduler. {fix}"
             )
-        if sched.optimizer is not torch_opt:
+        if sched.optimizer is not stand_in:
             raise ValueError(
                 f"{self.name}: the factory made its scheduler on another "
-                "optimizer than the one it was given (the fit's). Fix: make it "
-                "on the argument: lambda opt: StepLR(opt, ...)."
+                "optimizer than the one it was given (a stand-in of the fit's). "
+                "Fix: make it on the argument: lambda opt: StepLR(opt, ...)."
             )
         cycles = bool(getattr(sched, "cycle_momentum", False))
         if cycles != self.mom:
@@ -233,6 +242,9 @@ class TorchScheduler(Callback):
             )
         for sched, sd in zip(self.schedulers, saved):
             sched.load_state_dict(sd)
+            # the scheduler's own (unscaled) rates, which chained formulas read
+            for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):
+                group["lr"] = lr
         self.intervals = int(state["intervals"])
 
     def __repr__(self) -> str:
@@ -277,3 +289,37 @@ def _target(opt: Any, part: str | None, owner: str) -> Any:
             "name one of its parts, or part=None to schedule every part."
         )
     return parts[part]
+
+
+def _stand_in(part: Any) -> torch.optim.Optimizer:
+    """An optimizer of ``part``'s torch class, over one empty tensor per
+    parameter group, whose groups hold ``part``'s hyper-parameters as Python
+    floats (read from its getters: a tensor lr is read from its mirror, not
+    from the device). The torch scheduler runs on it, never on the fit's
+    optimizer; its ``defaults`` keep the keys schedulers check (``momentum``,
+    ``betas``)."""
+    torch_opt = part.opt
+    groups = [_floats(part, i, g) for i, g in enumerate(torch_opt.param_groups)]
+    defaults = {k: groups[0].get(k, v) for k, v in torch_opt.defaults.items()}
+    stand_in = type(torch_opt).__new__(type(torch_opt))
+    # (Optimizer's own constructor: a subclass's may need more arguments)
+    torch.optim.Optimizer.__init__(stand_in, groups, defaults)
+    return stand_in
+
+
+def _floats(part: Any, i: int, group: dict) -> dict:
+    """Group ``i`` of ``part`` for the stand-in: its numbers as floats, an
+    empty tensor as its parameters, without fitlib's keys or an earlier
+    scheduler's ``initial_lr``."""
+    out: dict[str, Any] = {"params": [torch.zeros(0)]}
+    for key, value in group.items():
+        if key in ("params", "initial_lr") or key.startswith("fitlib_"):
+            continue
+        if isinstance(value, torch.Tensor):
+            value = part.get(key)[i]
+        elif isinstance(value, tuple) and any(
+            isinstance(v, torch.Tensor) for v in value
+        ):
+            value = tuple(part.get(f"{key}[{j}]")[i] for j in range(len(value)))
+        out[key] = value
+    return out

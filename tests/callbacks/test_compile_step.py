@@ -299,3 +299,42 @@ def test_a_torch_scheduler_drives_the_tensor_lr_of_a_compiled_step():
     assert compiled.recorder.lrs == pytest.approx(eager.recorder.lrs, rel=1e-6)
     for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def plain_fit(model, opt):
+    torch.manual_seed(1)
+    fit(1, model, F.cross_entropy, opt, data())
+    return clone_params(model)
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["ended", "after an error"])
+def test_after_the_fit_the_hyper_parameters_are_floats_again(crash):
+    import copy
+
+    model = mlp()
+    opt = HPOptimizer.wrap(torch.optim.AdamW(model.parameters(), lr=0.01))
+    cbs = [Compile(step=True, backend=Graphs()), *([Crash(3)] if crash else [])]
+    try:
+        fit(1, model, F.cross_entropy, opt, data(), cbs)
+    except RuntimeError:
+        assert crash
+    group = opt.param_groups[0]
+    assert type(group["lr"]) is float and group["lr"] == opt.lr == 0.01
+    assert all(type(b) is float for b in group["betas"])
+    assert group["betas"] == (opt.mom, opt.beta) == (0.9, 0.999)
+    # A later fit without Compile trains as a fresh optimizer with that state.
+    twin_model = copy.deepcopy(model)
+    twin = HPOptimizer.wrap(torch.optim.AdamW(twin_model.parameters(), lr=0.5))
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # (torch shares tensors)
+    for a, b in zip(plain_fit(model, opt), plain_fit(twin_model, twin), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tensors_held_before_the_fit_stay_tensors_after_it():
+    model = mlp()
+    opt = HPOptimizer.wrap(torch.optim.AdamW(model.parameters(), lr=0.01))
+    opt.hypers_as_tensors(("lr",))
+    lr = opt.param_groups[0]["lr"]
+    fit(1, model, F.cross_entropy, opt, data(), [Compile(step=True, backend=Graphs())])
+    assert opt.param_groups[0]["lr"] is lr  # the user's, as before the fit
+    assert all(type(b) is float for b in opt.param_groups[0]["betas"])  # Compile's

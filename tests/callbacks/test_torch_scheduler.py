@@ -1,3 +1,9 @@
+import collections
+import functools
+import sys
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import Crash, make_data, make_dataset, make_model
@@ -132,6 +138,93 @@ def test_a_second_fit_starts_the_schedule_again_from_the_optimizers_lr():
     fit(2, model, F.cross_entropy, opt, make_data(), callbacks=[sched, second])
     assert first.lrs == plain_lrs(make, 2 * N_BATCHES)
     assert second.lrs == plain_lrs(make, 2 * N_BATCHES, lr=0.2)
+
+
+# -- the stand-in optimizer, tensor hyper-parameters ----------------------------------
+def test_the_factory_gets_a_stand_in_and_the_fits_optimizer_is_left_alone():
+    seen = []
+
+    def make(o):
+        seen.append((type(o), [g["lr"] for g in o.param_groups], o.defaults["betas"]))
+        return torch_sched.StepLR(o, 1, 0.5)
+
+    body, head = nn.Linear(8, 16), nn.Linear(16, 3)
+    groups = [{"params": list(body.parameters())}, {"params": list(head.parameters())}]
+    adam = functools.partial(torch.optim.Adam, foreach=False)  # (tensor betas)
+    opt = HPOptimizer(groups, adam, lr=[0.01, 0.1])
+    opt.hypers_as_tensors()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(1, nn.Sequential(body, nn.ReLU(), head), F.cross_entropy, opt,
+            make_data(), callbacks=[TorchScheduler(make)])  # fmt: skip
+    # the same class and groups, its hyper-parameters as Python floats
+    assert seen == [(torch.optim.Adam, [0.01, 0.1], (0.9, 0.999))]
+    assert opt.lr == [0.01 * 0.5**N_BATCHES, 0.1 * 0.5**N_BATCHES]
+    # torch's scheduler never touched the fit's optimizer, nor warned
+    assert all("initial_lr" not in g for g in opt.param_groups)
+    assert not hasattr(opt.opt.step, "_wrapped_by_lr_sched")
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+
+
+def host_reads(monkeypatch):
+    """Counts ``Tensor.__float__`` and ``Tensor.item`` calls by the caller's
+    file:line (a read of the device at each on a GPU)."""
+    reads = collections.Counter()
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _original=original):
+            caller = sys._getframe(1)
+            reads[f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    return reads
+
+
+def plain_rates(make, n_steps, opt_func):
+    """(lrs, moms) of each of ``n_steps`` steps of a hand-written loop on a
+    float optimizer stepping the torch scheduler after each step."""
+    opt = opt_func([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched, lrs, moms = make(opt), [], []
+    for _ in range(n_steps):
+        group = opt.param_groups[0]
+        lrs.append(group["lr"])
+        moms.append(group["betas"][0] if "betas" in group else group["momentum"])
+        opt.step()
+        sched.step()
+    return lrs, moms
+
+
+TENSOR_HYPERS = {
+    "sgd_exponential": (torch.optim.SGD, SCHEDULERS["exponential"], False),
+    "adam_one_cycle": (
+        functools.partial(torch.optim.Adam, foreach=False),  # (tensor betas)
+        lambda o: torch_sched.OneCycleLR(o, 0.1, total_steps=2 * N_BATCHES),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TENSOR_HYPERS)
+def test_with_tensor_hypers_no_step_reads_the_device_and_rates_stay_exact(
+    monkeypatch, case
+):
+    opt_func, make, mom = TENSOR_HYPERS[case]
+    model = make_model()
+    opt = HPOptimizer(model.parameters(), opt_func, lr=0.1)
+    assert "lr" in opt.hypers_as_tensors()  # what Compile(step=True) calls
+    rec, reads = Recorder(), host_reads(monkeypatch)
+    history = fit(2, model, F.cross_entropy, opt, make_data(),
+                  callbacks=[TorchScheduler(make, mom=mom), rec])  # fmt: skip
+    monkeypatch.undo()
+    ours = [k for k in reads if k.startswith(("torch_scheduler.py", "optim.py"))]
+    assert ours == []
+    # the float schedule, bit for bit (not rounded to the tensors' float32)
+    lrs, moms = plain_rates(make, 2 * N_BATCHES, opt_func)
+    assert rec.lrs == lrs and (rec.moms == moms or not mom)
+    assert [r["lr"] for r in history] == [lrs[N_BATCHES - 1], lrs[-1]]
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # still the tensor
 
 
 # -- composing with the other schedules ----------------------------------------------
