@@ -317,10 +317,13 @@ def check_opt_func(opt_func: Any) -> None:
 def check_params(params: Any) -> list:
     """``params`` (parameters or group dicts) as a list, refused when it
     holds no parameter: the optimizer would have nothing to update."""
-    params = list(params)
-    if not params or all(
-        isinstance(g, dict) and not list(g.get("params", [])) for g in params
-    ):
+    # A group's params may be a generator (module.parameters()): listed once
+    # here, in a copy of the group, so the optimizer still gets them all.
+    params = [
+        {**g, "params": list(g.get("params", []))} if isinstance(g, dict) else g
+        for g in params
+    ]
+    if not params or all(isinstance(g, dict) and not g["params"] for g in params):
         raise ValueError(
             "params is empty: the optimizer would have nothing to update. Fix: "
             "pass the parameters of a model that has some (model.parameters()), "

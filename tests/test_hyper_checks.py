@@ -113,3 +113,12 @@ def test_a_fix_sets_fitlibs_names_as_properties_and_others_with_set():
 
     assert example_setting("wd") == "opt.wd = 1e-2"
     assert example_setting("betas[1]", "0.99") == "opt.set('betas[1]', 0.99)"
+
+
+def test_groups_given_as_generators_keep_their_parameters():
+    from fitlib.optim import HPOptimizer
+
+    body, head = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    groups = [{"params": body.parameters()}, {"params": head.parameters(), "lr": 1.0}]
+    opt = HPOptimizer(groups, torch.optim.SGD, lr=0.1)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
