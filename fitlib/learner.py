@@ -261,9 +261,7 @@ class Learner:
         other ``fit_*`` methods take these three arguments too.
         """
         history = History()
-        limits = dict(
-            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
-        )
+        limits = _limits(max_time, train_batches, valid_batches)
         steps = self._fit_states(
             epochs, lr, wd, callbacks, max_steps, history=history, limits=limits
         )
@@ -598,9 +596,7 @@ class Learner:
             div_factor=div_factor, pct_start=pct_start, final_div=final_div,
             moms=moms, total_steps=total_steps, **{name: peak},
         )  # fmt: skip
-        limits = dict(
-            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
-        )
+        limits = _limits(max_time, train_batches, valid_batches)
         return self._fit_scheduled(epochs, wd, sched, callbacks, limits)
 
     def fit_flat_cos(
@@ -627,9 +623,7 @@ class Learner:
         _check_fraction("pct_start", pct_start, "Learner.fit_flat_cos")
         phases = [(pct_start, constant(lrs)), (1 - pct_start, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        limits = dict(
-            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
-        )
+        limits = _limits(max_time, train_batches, valid_batches)
         return self._fit_scheduled(epochs, wd, sched, callbacks, limits)
 
     def fit_warmup_cos(
@@ -656,9 +650,7 @@ class Learner:
         _check_fraction("pct_warmup", pct_warmup, "Learner.fit_warmup_cos")
         phases = [(pct_warmup, linear(0.0, lrs)), (1 - pct_warmup, cosine(lrs, 0.0))]
         sched = ParamScheduler({"lr": phases}, total_steps)
-        limits = dict(
-            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
-        )
+        limits = _limits(max_time, train_batches, valid_batches)
         return self._fit_scheduled(epochs, wd, sched, callbacks, limits)
 
     def fine_tune(
@@ -743,9 +735,7 @@ class Learner:
         if freeze_epochs:
             cbs.insert(0, BackboneFinetuning(freeze_epochs, 1.0, 1.0,
                                              train_bn=self.train_bn))  # fmt: skip
-        limits = dict(
-            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
-        )
+        limits = _limits(max_time, train_batches, valid_batches)
         return self._fit_scheduled(freeze_epochs + epochs, wd, cycles, cbs, limits)
 
     def _fit_scheduled(
@@ -849,9 +839,7 @@ class Learner:
         owner = "Learner.fit_snapshots"
         check_int(n_steps, "n_steps", minimum=1, owner=owner, example=500)
         check_int(every, "every", minimum=1, owner=owner, example=25)
-        limits = dict(
-            max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
-        )
+        limits = _limits(max_time, train_batches, valid_batches)
         steps = self._fit_states(None, lr, wd, callbacks, n_steps, limits=limits)
         t0, loop_values = (
             time.perf_counter(),
@@ -1097,3 +1085,10 @@ def _check_fraction(name: str, value: Any, owner: str) -> None:
         value, name, above=0, below=1, what="a fraction of training", owner=owner,
         example=0.25,
     )  # fmt: skip
+
+
+def _limits(max_time: Any, train_batches: Any, valid_batches: Any) -> dict:
+    """The budget and caps every ``fit_*`` method passes on to ``fit_states``."""
+    return dict(
+        max_time=max_time, train_batches=train_batches, valid_batches=valid_batches
+    )

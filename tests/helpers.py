@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
 
-from fitlib import Callback, DataBunch, HPOptimizer, fit
+from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
 
 TESTS = Path(__file__).parent
 
@@ -110,3 +110,26 @@ class Crash(Callback):
     def on_batch_end(self, train: bool, iteration: int) -> None:
         if train and iteration == self.at:
             raise RuntimeError("crash")
+
+
+def resume_learner(callbacks=(), model: nn.Module | None = None) -> Learner:
+    """The resume tests' run: a Learner (SGD, no bar) on ``make_dataset(100)``
+    in shuffled batches of 16 (7 an epoch; validation: 37 samples, 3 batches)
+    with an MLP that has dropout, seeded, so two of them train alike."""
+    torch.manual_seed(0)
+    model = model or nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3)
+    )
+    data = DataBunch(
+        DataLoader(make_dataset(100), 16, shuffle=True),
+        DataLoader(make_dataset(37, seed=1), 16),
+        device="cpu",
+    )
+    return Learner(data, model, F.cross_entropy, progress=False,
+                   callbacks=list(callbacks), opt_func=torch.optim.SGD)  # fmt: skip
+
+
+def same_weights(a: Learner, b: Learner) -> bool:
+    """Whether two Learners' models hold the same tensors, bit for bit."""
+    pairs = zip(a.model.state_dict().values(), b.model.state_dict().values())
+    return all(torch.equal(x, y) for x, y in pairs)

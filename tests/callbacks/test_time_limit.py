@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, make_data, make_dataset, make_model
-from torch import nn
+from helpers import child_env, make_data, make_model, resume_learner, same_weights
 from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
 
 import fitlib.time_budget
-from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
+from fitlib import Callback, HPOptimizer, fit
 from fitlib.callbacks import Checkpoint, EarlyStopping, Recorder, TimeLimit
 from fitlib.serialization import safe_load
 
@@ -61,29 +59,10 @@ class Watch(Callback):
         self.end = (epoch, iteration)
 
 
-def learner(callbacks=()):
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3)
-    )
-    data = DataBunch(
-        DataLoader(make_dataset(100), 16, shuffle=True),  # 7 batches an epoch
-        DataLoader(make_dataset(37, seed=1), 16),  # 3 batches
-        device="cpu",
-    )
-    return Learner(data, model, F.cross_entropy, progress=False,
-                   callbacks=list(callbacks), opt_func=torch.optim.SGD)  # fmt: skip
-
-
-def same_weights(a, b):
-    pairs = zip(a.model.state_dict().values(), b.model.state_dict().values())
-    return all(torch.equal(x, y) for x, y in pairs)
-
-
 # -- when it stops ---------------------------------------------------------------
 def test_suspends_right_after_the_batch_that_spends_the_budget(clock):
     watch = Watch()
-    history = learner([Tick(clock), TimeLimit(10), watch]).fit(3, lr=0.1)
+    history = resume_learner([Tick(clock), TimeLimit(10), watch]).fit(3, lr=0.1)
     assert watch.end == (1, 10)  # 10 batches of a second: epoch 1, batch 3
     assert history.stop_reason == "max_time=0:00:10 reached after 0:00:10"
     assert [r["epoch"] for r in history] == [0]  # none for the partial epoch
@@ -91,7 +70,7 @@ def test_suspends_right_after_the_batch_that_spends_the_budget(clock):
 
 def test_a_budget_not_spent_lets_the_fit_run_all_its_epochs(clock):
     limit = TimeLimit(22)  # the fit's 21 batches take 21 s
-    history = learner([Tick(clock), limit]).fit(3, lr=0.1)
+    history = resume_learner([Tick(clock), limit]).fit(3, lr=0.1)
     assert len(history) == 3 and history.stop_reason is None
     clock.now += 100  # after the fit: its time stays the fit's
     assert limit.elapsed() == 21
@@ -100,7 +79,7 @@ def test_a_budget_not_spent_lets_the_fit_run_all_its_epochs(clock):
 def test_validation_time_counts_and_ends_the_fit_before_the_next_epoch(clock):
     watch = Watch()  # a validation batch takes 10 s; training takes none
     callbacks = [Tick(clock, train=0, valid=10), TimeLimit("00:00:25"), watch]
-    history = learner(callbacks).fit(3, lr=0.1)
+    history = resume_learner(callbacks).fit(3, lr=0.1)
     assert watch.end == (1, 7) and len(history) == 1
     assert history.stop_reason == "max_time=0:00:25 reached after 0:00:30"
 
@@ -111,9 +90,9 @@ def test_a_stop_that_finishes_the_run_wins_over_the_time_limit(clock, tmp_path):
             if iteration == 4:  # the batch that also spends the budget
                 return {"stop_training": True, "stop_reason": "enough"}
 
-    learn = learner([Checkpoint(tmp_path), Tick(clock), TimeLimit(5), StopAt()])
+    learn = resume_learner([Checkpoint(tmp_path), Tick(clock), TimeLimit(5), StopAt()])
     assert learn.fit(3, lr=0.1).stop_reason == "enough"
-    assert len(learner([Checkpoint(tmp_path)]).fit(3, lr=0.1)) == 0  # finished
+    assert len(resume_learner([Checkpoint(tmp_path)]).fit(3, lr=0.1)) == 0  # finished
 
 
 def test_fit_max_time_suspends_as_the_callback_does(clock):
@@ -133,13 +112,13 @@ def test_each_rerun_gets_the_whole_budget_and_the_run_ends_as_an_unbroken_one(
     budget of 7.5 s), suspends, and the next resumes exactly."""
     stops = []
     for _ in range(5):
-        learn = learner([Checkpoint(tmp_path), Tick(clock), TimeLimit(7.5)])
+        learn = resume_learner([Checkpoint(tmp_path), Tick(clock), TimeLimit(7.5)])
         history = learn.fit_one_cycle(3, 0.1)
         stops.append(history.stop_reason)
         if history.stop_reason is None:
             break
     assert stops == ["max_time=0:00:07.5 reached after 0:00:08"] * 2 + [None]
-    unbroken = learner()
+    unbroken = resume_learner()
     unbroken.fit_one_cycle(3, 0.1)
     assert same_weights(learn, unbroken)
     assert learn.recorder.losses == unbroken.recorder.losses
@@ -160,7 +139,7 @@ def test_a_time_limited_run_killed_with_sigkill_still_ends_as_an_unbroken_one(
     killed = subprocess.run([*run, "kill"], env=env, capture_output=True)
     assert killed.returncode == -9 and not (tmp_path / "run.pth").exists()
     subprocess.run([*run, "none"], env=env, check=True, capture_output=True)
-    ours, unbroken = safe_load(tmp_path / "run.pth"), learner()  # (the child's)
+    ours, unbroken = safe_load(tmp_path / "run.pth"), resume_learner()  # (the child's)
     unbroken.fit_one_cycle(3, 0.1)
     assert ours["losses"] == unbroken.recorder.losses and len(ours["losses"]) == 21
     assert ours["valid_losses"] == unbroken.recorder.valid_losses

@@ -5,12 +5,10 @@ and fit's caps on batches (``train_batches``, ``valid_batches``), which a
 
 import pytest
 import torch
-from helpers import Crash, make_dataset
-from torch import nn
+from helpers import Crash, resume_learner, same_weights
 from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
 
-from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
+from fitlib import Callback, HPOptimizer, fit
 from fitlib.callbacks import (
     Checkpoint,
     GradientAccumulation,
@@ -35,25 +33,6 @@ class SuspendAt(Callback):
             return {"suspend": True, "stop_reason": "time is up"}
 
 
-def learner(callbacks=()):
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3)
-    )
-    data = DataBunch(
-        DataLoader(make_dataset(100), 16, shuffle=True),
-        DataLoader(make_dataset(37, seed=1), 16),
-        device="cpu",
-    )
-    return Learner(data, model, F.cross_entropy, progress=False,
-                   callbacks=list(callbacks), opt_func=torch.optim.SGD)  # fmt: skip
-
-
-def same_weights(a, b):
-    pairs = zip(a.model.state_dict().values(), b.model.state_dict().values())
-    return all(torch.equal(x, y) for x, y in pairs)
-
-
 # An epoch is 7 batches (iterations 0-6 in epoch 0). At its last batch the fit
 # suspends before the epoch's validation: the resumed run validates it.
 @pytest.mark.parametrize(
@@ -66,15 +45,15 @@ def test_a_suspended_fit_resumes_exactly_and_keeps_no_partial_record(
     tmp_path, where, accumulate, recorded
 ):
     extra = [GradientAccumulation(accumulate)]
-    learn = learner([Checkpoint(tmp_path), SuspendAt(**where), *extra])
+    learn = resume_learner([Checkpoint(tmp_path), SuspendAt(**where), *extra])
     history = learn.fit_one_cycle(3, 0.1)
     assert history.stop_reason == "time is up" and history.suspended
     assert [r["epoch"] for r in history] == recorded  # none for a partial epoch
-    resumed = learner([Checkpoint(tmp_path), *extra])
+    resumed = resume_learner([Checkpoint(tmp_path), *extra])
     rest = resumed.fit_one_cycle(3, 0.1)
     assert rest.stop_reason is None and rest[-1]["epoch"] == 2
     assert not rest.suspended
-    unbroken = learner(extra)
+    unbroken = resume_learner(extra)
     whole = unbroken.fit_one_cycle(3, 0.1)
     assert same_weights(resumed, unbroken)
     assert resumed.recorder.losses == unbroken.recorder.losses
@@ -90,7 +69,7 @@ def test_inside_a_gradient_group_the_fit_suspends_at_the_groups_end(tmp_path):
         def on_train_end(self, iteration, step):
             seen.append((iteration, step))
 
-    learn = learner([SuspendAt(iteration=5), GradientAccumulation(4), Watch()])
+    learn = resume_learner([SuspendAt(iteration=5), GradientAccumulation(4), Watch()])
     learn.fit(2, lr=0.1)
     assert seen == [(7, 2)]  # groups of batches 0-3 and 4-6 (the ragged last)
 
@@ -101,20 +80,20 @@ def test_stop_training_finishes_the_run_where_suspend_leaves_it_open(tmp_path):
             if epoch == 0:
                 return {"stop_training": True}
 
-    stopped = learner([Checkpoint(tmp_path / "a"), Stop()]).fit(3, lr=0.1)
+    stopped = resume_learner([Checkpoint(tmp_path / "a"), Stop()]).fit(3, lr=0.1)
     assert stopped.stop_reason == "Stop stopped training" and not stopped.suspended
-    rerun = learner([Checkpoint(tmp_path / "a")]).fit(3, lr=0.1)
+    rerun = resume_learner([Checkpoint(tmp_path / "a")]).fit(3, lr=0.1)
     assert len(rerun) == 0 and not rerun.suspended  # finished: no requeue
     assert rerun.stop_reason.endswith("already finished")
-    learner([Checkpoint(tmp_path / "b"), SuspendAt(epoch=0)]).fit(3, lr=0.1)
-    assert len(learner([Checkpoint(tmp_path / "b")]).fit(3, lr=0.1)) == 2
+    resume_learner([Checkpoint(tmp_path / "b"), SuspendAt(epoch=0)]).fit(3, lr=0.1)
+    assert len(resume_learner([Checkpoint(tmp_path / "b")]).fit(3, lr=0.1)) == 2
 
 
 # -- caps on batches, with a Checkpoint -----------------------------------------------
 def capped_fit(tmp_path, callbacks=(), train_batches=4):
     """fit with 1cycle over 3 epochs of the first 4 (of 7) batches, 2 of 3
     validation batches; returns the model and the Recorder."""
-    learn = learner()  # (its model, data and seed)
+    learn = resume_learner()  # (its model, data and seed)
     recorder = Recorder()
     opt = HPOptimizer(learn.model.parameters(), torch.optim.SGD, lr=0.1)
     cbs = [OneCycleScheduler(max_lr=0.1), recorder, *callbacks]
@@ -158,12 +137,14 @@ def test_another_cap_is_another_run_for_a_checkpoint(tmp_path):
 def test_a_stop_in_the_batch_that_suspends_finishes_the_run_with_its_reason(tmp_path):
     # max_steps is reached at the batch the time runs out: the run finishes,
     # validates as max_steps says, and its checkpoint is a finished one.
-    learn = learner([Checkpoint(tmp_path), SuspendAt(iteration=3)])
+    learn = resume_learner([Checkpoint(tmp_path), SuspendAt(iteration=3)])
     history = learn.fit(None, lr=0.1, max_steps=4)
     assert history.stop_reason == "max_steps=4 reached" and not history.suspended
     assert len(history) == 1  # the epoch's validation ran
-    assert len(learner([Checkpoint(tmp_path)]).fit(None, lr=0.1, max_steps=4)) == 0
+    assert (
+        len(resume_learner([Checkpoint(tmp_path)]).fit(None, lr=0.1, max_steps=4)) == 0
+    )
     # A suspend inside a gradient group, then max_steps at the group's end.
-    seen = learner([SuspendAt(iteration=1), GradientAccumulation(4)])
+    seen = resume_learner([SuspendAt(iteration=1), GradientAccumulation(4)])
     history = seen.fit(None, lr=0.1, max_steps=1)
     assert history.stop_reason == "max_steps=1 reached" and not history.suspended
