@@ -203,7 +203,7 @@ class HPOptimizer(HyperParams):
         step goes through ``grad_scaler.step``, which skips it when the
         gradients are not finite.
         """
-        self.stepped = self.lr_and_momentum()
+        self.stepped = lr_and_momentum(self.opt.param_groups[-1], self._mirror[-1:])
         if self.grad_scaler is not None:
             return self._scaled_step(closure)
         if self.true_wd and not self._native_wd:
@@ -465,11 +465,12 @@ class HPOptimizer(HyperParams):
 
     def _decay(self, keep: Any = 1) -> None:
         """``p *= 1 - lr * wd``; ``keep`` (a 0/1 device tensor) may cancel it."""
-        decays = []
-        for group, floats in zip(self.param_groups, self._mirror or self.param_groups):
+        decays, mirror = [], self._mirror  # (runs at every step: kept lean)
+        for i, group in enumerate(self.opt.param_groups):
             wd = group.get(_TRUE_WD_KEY, 0.0)
-            if floats.get(("lr", None), group["lr"]) * wd:  # (a float: no read)
-                decays.append((group["lr"] * wd, group["params"]))
+            lr = mirror[i].get(("lr", None), group["lr"]) if mirror else group["lr"]
+            if wd and lr:
+                decays.append((group["lr"] * wd, group["params"]))  # (no read)
         if not decays:  # wd=0: no grad-mode switch at every step
             return
         with torch.no_grad():
@@ -487,7 +488,7 @@ def lr_and_momentum(group: dict, mirror: list[dict] = ()) -> tuple[Any, Any]:
     lr, mom = group["lr"], group.get("momentum") if betas is None else betas[0]
     if mirror:
         lr, mom = mirror[0].get(("lr", None), lr), mirror[0].get(("betas", 0), mom)
-    return lr, mom
+    return lr, float(mom) if type(mom) is int else mom  # SGD's momentum=0
 
 
 def _read(group: dict, key: str, index: int | None) -> float:
