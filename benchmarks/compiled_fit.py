@@ -30,7 +30,7 @@ import sys
 import time
 
 import torch
-from overhead import EPOCHS, LR, WD, make_data, make_model
+from overhead import EPOCHS, LR, WD, hand_loop, make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import DataBunch, Learner
@@ -47,30 +47,6 @@ def hand_made(compile_step: bool = False) -> tuple:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     return model, opt, torch.compile(opt.step) if compile_step else opt.step
-
-
-def hand_loop(train, valid, made: tuple) -> float:
-    """``overhead.hand_written``'s loop, on ``hand_made``'s objects."""
-    model, opt, step = made
-    start = time.process_time()
-    for _ in range(EPOCHS):
-        model.train()
-        train_loss, n = 0.0, 0
-        for x, y in train:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            step()
-            opt.zero_grad()
-            train_loss, n = train_loss + loss.detach() * len(y), n + len(y)
-        model.eval()
-        valid_loss, correct, m = 0.0, 0, 0
-        with torch.no_grad():
-            for x, y in valid:
-                out = model(x)
-                valid_loss = valid_loss + F.cross_entropy(out, y) * len(y)
-                correct, m = correct + (out.argmax(1) == y).sum(), m + len(y)
-        _ = [float(train_loss / n), float(valid_loss / m), float(correct / m)]
-    return time.process_time() - start
 
 
 def learner(train, valid, compile_kwargs: dict | None) -> Learner:
@@ -95,15 +71,15 @@ def one_process(rounds: int) -> dict[str, tuple[float, float]]:
     train, valid = make_data()
     steps = EPOCHS * len(train)
     hand, hand_compiled = hand_made(), hand_made(compile_step=True)
-    hand_loop(train, valid, hand_compiled)  # the compilation, untimed
+    hand_loop(train, valid, *hand_compiled)  # the compilation, untimed
     learners = {
         "fitlib eager": learner(train, valid, None),
         "fitlib Compile()": learner(train, valid, {}),
         "fitlib step=True": learner(train, valid, {"step": True}),
     }
     runs = {
-        "hand-written": lambda: hand_loop(train, valid, hand),
-        "hand, step compiled": lambda: hand_loop(train, valid, hand_compiled),
+        "hand-written": lambda: hand_loop(train, valid, *hand),
+        "hand, step compiled": lambda: hand_loop(train, valid, *hand_compiled),
         **{name: (lambda learn=learn: timed_fit(learn))
            for name, learn in learners.items()},
     }  # fmt: skip

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +25,39 @@ def child_env(**extra: str) -> dict:
     already had (where fitlib is not installed, e.g. on a GPU machine)."""
     paths = [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), **extra}
+
+
+class FakeClock:
+    """A stand-in for the ``time`` module a clock reads (``monotonic``): its
+    time moves only when a test adds to ``now``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def kill_until_done(cmd: list[str], env: dict, seed: int, kills: int = 4) -> int:
+    """Runs ``cmd`` (a child that prints ``started`` once training starts)
+    again and again: the first ``kills`` times it is killed with SIGKILL at a
+    random moment, then it is let finish (12 runs at most). Returns how many
+    runs were killed before they ended on their own."""
+    rng, killed = random.Random(seed), 0
+    for attempt in range(12):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)  # fmt: skip
+        while (line := proc.stdout.readline()) and line.strip() != b"started":
+            pass  # imports done, training starts: the kill can come now
+        if attempt < kills:  # then let it finish
+            time.sleep(rng.uniform(0.05, 0.9))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                killed += 1
+        proc.wait(timeout=120)
+        if proc.returncode == 0:
+            break
+    return killed
 
 
 def make_dataset(n: int = 100, d: int = 8, n_classes: int = 3, seed: int = 0):

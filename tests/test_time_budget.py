@@ -2,22 +2,15 @@
 (rank 0 decides; the others follow at agreed iterations)."""
 
 import pytest
+from helpers import FakeClock
 
 import fitlib.time_budget as time_budget
 from fitlib.time_budget import TimeBudget, as_seconds, clock
 
 
-class FakeTime:
-    def __init__(self):
-        self.now = 50.0
-
-    def monotonic(self):
-        return self.now
-
-
 @pytest.fixture
 def fake(monkeypatch):
-    fake = FakeTime()
+    fake = FakeClock(50.0)
     monkeypatch.setattr(time_budget, "time", fake)
     return fake
 

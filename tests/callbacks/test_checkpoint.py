@@ -1,15 +1,13 @@
 import os
-import random
 import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Crash, child_env, make_dataset
+from helpers import Crash, child_env, kill_until_done, make_dataset
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader
@@ -131,22 +129,8 @@ def test_killed_at_random_moments_with_sigkill_the_run_still_ends_identical(tmp_
     child = [sys.executable, str(HERE / "resume_child.py")]
     subprocess.run([*child, str(tmp_path / "ref"), str(tmp_path / "ref.pth"), *parts],
                    env=env, check=True, capture_output=True)  # fmt: skip
-    rng, kills = random.Random(1234), 0
-    for attempt in range(12):
-        proc = subprocess.Popen(
-            [*child, str(tmp_path / "ckpt"), str(tmp_path / "run.pth"), *parts],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        while (line := proc.stdout.readline()) and line.strip() != b"started":
-            pass  # imports done, training starts: the kill can come now
-        if attempt < 4:  # then let it finish
-            time.sleep(rng.uniform(0.05, 0.9))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                kills += 1
-        proc.wait(timeout=120)
-        if proc.returncode == 0:
-            break
+    cmd = [*child, str(tmp_path / "ckpt"), str(tmp_path / "run.pth"), *parts]
+    kills = kill_until_done(cmd, env, seed=1234)
     assert kills >= 2, "the run was too fast to kill: slow resume_child.py down"
     ref, run = safe_load(tmp_path / "ref.pth"), safe_load(tmp_path / "run.pth")
     assert run["losses"] == ref["losses"] and run["lrs"] == ref["lrs"]

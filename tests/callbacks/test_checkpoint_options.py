@@ -7,16 +7,13 @@ filepath formatting, save_weights_only) and Ignite's Checkpoint (n_saved with
 a score function)."""
 
 import math
-import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Crash, child_env, make_data, make_model
+from helpers import Crash, child_env, kill_until_done, make_data, make_model
 from torch.nn import functional as F  # noqa: N812
 
 import fitlib.checkpoint_clock
@@ -350,22 +347,8 @@ def test_killed_with_every_option_on_the_run_and_its_best_files_end_identical(
     env, child = child_env(), [sys.executable, str(HERE / "resume_child.py")]
     ref_args = [str(tmp_path / "ref"), str(tmp_path / "ref.pth"), "parts", "options"]
     subprocess.run([*child, *ref_args], env=env, check=True, capture_output=True)
-    rng, kills = random.Random(4321), 0
-    for attempt in range(12):
-        proc = subprocess.Popen(
-            [*child, str(tmp_path / "run"), str(tmp_path / "run.pth"), "parts",
-             "options"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        while (line := proc.stdout.readline()) and line.strip() != b"started":
-            pass
-        if attempt < 4:
-            time.sleep(rng.uniform(0.05, 0.9))
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                kills += 1
-        proc.wait(timeout=120)
-        if proc.returncode == 0:
-            break
+    run_args = [str(tmp_path / "run"), str(tmp_path / "run.pth"), "parts", "options"]
+    kills = kill_until_done([*child, *run_args], env, seed=4321)
     assert kills >= 2, "the run was too fast to kill: slow resume_child.py down"
     ref, run_ = safe_load(tmp_path / "ref.pth"), safe_load(tmp_path / "run.pth")
     assert run_["losses"] == ref["losses"]

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, make_data, make_model, resume_learner, same_weights
+from helpers import (
+    FakeClock,
+    child_env,
+    make_data,
+    make_model,
+    resume_learner,
+    same_weights,
+)
 from torch.nn import functional as F  # noqa: N812
 
 import fitlib.time_budget
@@ -20,20 +27,9 @@ from fitlib.serialization import safe_load
 HERE = Path(__file__).parent
 
 
-class FakeTime:
-    """What fitlib.time_budget reads as ``time``: a clock that moves only
-    when told."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self):
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch):
-    fake = FakeTime()
+    fake = FakeClock(1000.0)
     monkeypatch.setattr(fitlib.time_budget, "time", fake)
     return fake
 

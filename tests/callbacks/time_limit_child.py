@@ -14,22 +14,12 @@ import signal
 import sys
 
 import torch
-from helpers import make_dataset
-from torch import nn
-from torch.nn import functional as F  # noqa: N812
-from torch.utils.data import DataLoader
+from helpers import FakeClock, resume_learner
 
 import fitlib.time_budget
-from fitlib import Callback, DataBunch, Learner
+from fitlib import Callback
 from fitlib.callbacks import Checkpoint, TimeLimit
 from fitlib.serialization import atomic_save
-
-
-class FakeTime:
-    now = 0.0
-
-    def monotonic(self):
-        return self.now
 
 
 class Tick(Callback):
@@ -49,20 +39,10 @@ class KillAt(Callback):
 
 def main(ckpt_dir: str, result: str, mode: str) -> None:
     torch.set_num_threads(1)
-    fitlib.time_budget.time = FakeTime()
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3)
-    )
-    data = DataBunch(
-        DataLoader(make_dataset(100), 16, shuffle=True),
-        DataLoader(make_dataset(37, seed=1), 16),
-        device="cpu",
-    )
+    fitlib.time_budget.time = FakeClock()
     extra = {"limit": [TimeLimit(5)], "kill": [KillAt(4)], "none": []}[mode]
     callbacks = [Checkpoint(ckpt_dir, every_n_steps=2), Tick(), *extra]
-    learn = Learner(data, model, F.cross_entropy, progress=False,
-                    callbacks=callbacks, opt_func=torch.optim.SGD)  # fmt: skip
+    learn = resume_learner(callbacks)
     history = learn.fit_one_cycle(3, 0.1)
     print(history.stop_reason, flush=True)
     if history.stop_reason is None:
