@@ -132,7 +132,7 @@ class Part(Metric):
         if self.output is not None:
             output = pick(output, self.output, f"{self.name}: the output")
         elif self._wants_tensor and not isinstance(output, Tensor):
-            output = tensor_of(output, self.name, len(targets))
+            output = tensor_of(output, self.name, targets)
         if self.target is not None:
             whole = targets[0] if len(targets) == 1 else targets
             targets = (pick(whole, self.target, f"{self.name}: the targets"),)
@@ -156,6 +156,20 @@ class Part(Metric):
                 f"{self.name}: the batches have {len(targets)} targets, and "
                 f"{self.metric.name} scores one. Fix: say which, e.g. "
                 f"Part(..., output={self.output!r}, target=0)."
+            )
+        one = picked[0] if len(picked) == 1 else None
+        if (
+            self.target is None
+            and self._wants_tensor
+            and one is not None
+            and (not isinstance(one, Tensor) and parts(one))
+        ):  # one target per output, in a dict: which one is this metric's?
+            example = self.output if self.output is not None else parts(one)[0]
+            raise ValueError(
+                f"{self.name}: the batches' target is {describe(one)}, and "
+                f"{self.metric.name} scores one tensor. Fix: say which, e.g. "
+                f"Part(..., output={self.output!r}, target={example!r}) (the "
+                f"target's parts are {parts(one)})."
             )
         check_metric(self.metric, output, picked, loss_func)
 
@@ -194,20 +208,31 @@ def _is_step(key: Any) -> bool:
     return isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool))
 
 
-def tensor_of(output: Any, name: str, n_targets: int = 1) -> Any:
+def tensor_of(output: Any, name: str, targets: tuple = ()) -> Any:
     """The tensor a metric that scores one takes from a structured output:
     its ``logits`` part (``transformers``' outputs); else a TypeError saying
-    which ``Part`` to write."""
+    which ``Part`` to write (``targets``: the batch's, for the fix)."""
     have = parts(output)
     if "logits" in have:
         return pick(output, "logits", f"{name}: the output")
     example = have[0] if have else "..."
-    more = "; and at one target with target=..." if n_targets > 1 else "."
+    more = _target_fix(targets) or "."
     raise TypeError(
         f"{name} scores a tensor, but the model's output is {describe(output)}. "
         f"Fix: point it at one part, e.g. Part({name}, output={example!r}) (the "
         f"parts are {have}){more}"
     )
+
+
+def _target_fix(targets: tuple) -> str | None:
+    """The end of a fix that must name a target too: several targets, or one
+    structured target (a dict of targets per output)."""
+    if len(targets) > 1:
+        return "; and at one target with target=..."
+    keys = parts(targets[0]) if targets and not isinstance(targets[0], Tensor) else []
+    if keys:
+        return f"; and at its target with target=... (the targets' parts are {keys})"
+    return None
 
 
 def check_metric(m: Metric, output: Any, targets: tuple, loss_func: Any) -> None:
@@ -317,7 +342,7 @@ class Metrics:
         """
         for i, (name, m) in enumerate(zip(self.names, self.metrics, strict=True)):
             if not isinstance(output, Tensor) and _scores_tensors(m):
-                tensor_of(output, name, len(targets))  # or says which Part
+                tensor_of(output, name, targets)  # or says which Part
                 m = self.metrics[i] = Part(m, name=name)
             self._check_one(name, m, output, targets, loss_func)
 
@@ -336,7 +361,7 @@ class Metrics:
                 out, picked = m.select(output, targets) if m is not inner else (
                     output, targets)  # fmt: skip
                 if not isinstance(out, Tensor):
-                    out = tensor_of(out, inner.name, len(targets))
+                    out = tensor_of(out, inner.name, targets)
             except (KeyError, TypeError, ValueError):
                 continue  # check says what is wrong, at the metric's batch
             one = out.ndim == 1 or (out.ndim > 1 and 1 in (out.shape[1], out.shape[-1]))

@@ -87,3 +87,18 @@ def test_part_checks_its_arguments(kwargs, error, match):
     args = {"metric": mse, "output": 0, **kwargs}
     with pytest.raises(error, match=match):
         Part(**args)
+
+
+def test_a_dict_of_targets_per_output_makes_the_fix_name_the_target_too():
+    # A model with one output per head and the batches' targets in a dict of
+    # the same keys: the metric must be pointed at an output AND a target.
+    outs = {"a": torch.zeros(2, 1), "b": torch.zeros(2, 3)}
+    targets = ({"a": torch.zeros(2, 1), "b": torch.zeros(2, dtype=torch.long)},)
+    with pytest.raises(TypeError, match=r"output='a'.*target=\.\.\..*\['a', 'b'\]"):
+        Metrics([accuracy]).check(outs, targets)
+    with pytest.raises(ValueError, match=r"Part\(\.\.\., output='b', target='b'\)"):
+        Metrics([Part(accuracy, output="b")]).check(outs, targets)
+    ms = Metrics([Part(accuracy, output="b", target="b")])
+    ms.check(outs, targets)  # pointed at both: accepted
+    ms.update(outs, targets)
+    assert ms.compute()[0].item() == pytest.approx(1.0)  # all zeros: class 0
