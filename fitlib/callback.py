@@ -13,12 +13,11 @@ generated from these two dicts.
 
 ``train_metrics``, ``callbacks``, ``n_epochs``, ``train``, ``smooth_loss``,
 ``last_loss_parts``, ``last_metrics``, ``tally`` and ``mid_epoch`` are read
-only; ``on_train_end`` also receives ``exception`` (the exception that ended
-training, or ``None``) and returns nothing. (``last_metrics`` is read only
-since the record is built before ``on_epoch_end``: a changed list would reach
-only the later callbacks, not the record, history, monitors and loggers. A
-value of your own goes in the record: ``{"record": {"name": value}}``, the
-name declared in ``record_names``.)
+only; ``on_train_end`` also receives ``exception`` (what ended training, or
+``None``) and returns nothing. (``last_metrics``: the record is built before
+``on_epoch_end``, so a changed list would reach only later callbacks; a value
+of your own goes in the record, ``{"record": {"name": value}}``, declared in
+``record_names``.)
 """
 
 from __future__ import annotations
@@ -168,6 +167,10 @@ STATE_KEYS: dict[str, str] = {
         "``Checkpoint`` then writes a checkpoint to resume from, not one marked "
         "finished, so the next run goes on from there exactly"
     ),
+    "step_fn": (
+        "None, or what runs a training batch's step in place of ``fitlib.core."
+        "train_step`` (same arguments; ``CudaGraph``'s replays a CUDA graph)"
+    ),
     "skip_bwd": "set True in ``on_backward_begin`` to skip ``backward()``",
     "skip_step": "set True by ``on_backward_end`` to skip ``opt.step()``",
     "skip_zero": "set True by ``on_step_end`` to keep the gradients",
@@ -194,9 +197,8 @@ STATE_KEYS: dict[str, str] = {
 BATCH_EVENTS = EVENTS[2:8]  # on_batch_begin ... on_batch_end
 _FIT_EVENTS = EVENTS[:-1]  # all but on_train_end, after which nothing reads
 # The events after which the loop (or a later callback) reads each key a hook
-# may return; the other keys are read only: the loop keeps its own reference
-# (opt, loss_func, metrics...) or owns the value (train, smooth_loss).
-# The loop reads model, opt and loss_func as each training batch starts (after
+# may return; the other keys are read only (the loop owns them). The loop
+# reads model, opt and loss_func as each training batch starts (after
 # on_batch_begin), metrics at each validation: a swap takes effect from there.
 _SWAP_EVENTS = ("on_train_begin", "on_epoch_begin", "on_batch_begin",
                 "on_batch_end", "on_epoch_end")  # fmt: skip
@@ -207,6 +209,7 @@ WRITABLE: dict[str, tuple[str, ...]] = {
     "metrics": _SWAP_EVENTS,  # with the same names (the record's columns)
     "data": _FIT_EVENTS,  # train_dl is read at each epoch, valid_dl after it
     "n_steps": ("on_train_begin",),
+    "step_fn": ("on_train_begin",),  # (read at each training batch)
     "max_steps": _FIT_EVENTS,
     "epoch": ("on_train_begin",),  # a resumed fit's position
     "iteration": ("on_train_begin",),
@@ -249,33 +252,30 @@ class Callback:
     """
 
     order: int = 0
-    # Whether Learner.lr_find runs this callback of learn.callbacks in its
-    # sweep: yes for what shapes a step (mixed precision, accumulation,
-    # clipping, yours); no for checkpoints, loggers, schedulers and stoppers.
+    # Whether Learner.lr_find's sweep runs it: yes for what shapes a step
+    # (precision, accumulation, clipping); no for checkpoints, loggers, stoppers.
     in_lr_find: bool = True
-    # Whether the Learner's evaluation (validate, get_preds, predict) runs this
-    # callback of learn.callbacks, as a fit's validation does: yes for what
-    # shapes the forward pass (precision, memory format, compilation). Its
-    # on_train_begin then gets opt=None (no step), then validation batches.
+    # Whether the Learner's evaluation (validate, get_preds, predict) runs it
+    # too: yes for what shapes the forward pass (precision, memory format,
+    # compilation); its on_train_begin then gets opt=None (no step).
     in_evaluation: bool = False
     # Whether Compile(step=True) may compile the step with this callback's
     # on_backward_begin/end around it (True: they read nothing on the host).
     compiled_step_safe: bool | None = None
-    # The hyper-parameters this callback sets outright at every step (a
-    # schedule): two such callbacks of one fit may not share one, since the
-    # later would silently overwrite the earlier. A callback that adjusts a
-    # value instead (ReduceLROnPlateau) calls opt.scale and lists nothing.
+    # Whether CudaGraph may capture its on_loss_begin/on_backward_begin/end.
+    cuda_graph_safe: bool | None = None
+    # The hyper-parameters it sets outright at every step (a schedule): two
+    # callbacks of one fit may not share one (the later would overwrite the
+    # earlier); one that adjusts a value (ReduceLROnPlateau) lists nothing.
     sets_hypers: tuple[str, ...] = ()
-    # The names of the values this callback adds to the epoch record (by
-    # returning {"record": {...}} from on_epoch_end): declared, so that
-    # monitors can check a name before training, and a typo cannot add a
-    # column silently.
+    # The names of the values this callback adds to the record ({"record":
+    # {...}} from on_epoch_end): declared, so monitors check names before
+    # training and a typo cannot add a column silently.
     record_names: tuple[str, ...] = ()
-    # Side effects only (bars, logs, files): under torch.distributed only the
-    # process of rank 0 runs it; the others leave it out.
+    # Side effects only (bars, logs, files): under torch.distributed rank 0 only.
     main_only: bool = False
-    # Asks for validations inside epochs (returns validate_now): every record
-    # of the fit then has its ``step``, which tells an epoch's records apart.
+    # Asks for validations inside epochs (validate_now): every record then has
+    # its ``step``, which tells an epoch's records apart.
     validates_mid_epoch: bool = False
 
     @property

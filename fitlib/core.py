@@ -198,17 +198,20 @@ def fit_states(
             # state (validation runs cb_handler.eval_model, not a wrapper).
             state = cb_handler.state
             batch_fn = getattr(data, "batch_fn", None)  # (a callback may wrap data)
+            prefetch = getattr(data, "prefetch", None)
             for _ in range(state["epoch"], epochs or sys.maxsize):
                 state["model"].train()
                 if cb_handler.on_epoch_begin():  # nothing (more) to train
                     break
                 train_dl, device = state["data"].train_dl, model_device(state["model"])
                 ended = False  # by a record inside the epoch
-                for xb, yb in batches(train_dl, device, "train_dl", batch_fn):
+                for xb, yb in batches(train_dl, device, "train_dl", batch_fn, prefetch):
                     # A validation asked for at the last batch's end: it ends a
                     # record here, as more batches follow (else the epoch's).
                     if state["validate_now"]:
-                        ended = _end_record(cb_handler, batch_fn, mid_epoch=True)
+                        ended = _end_record(
+                            cb_handler, batch_fn, prefetch, mid_epoch=True
+                        )
                         if ended:
                             break
                     xb, yb = cb_handler.on_batch_begin(xb, yb)
@@ -224,7 +227,9 @@ def fit_states(
                         return  # between two steps: to be resumed (a time limit)
                     if stop:
                         break
-                if ended or _end_record(cb_handler, batch_fn, mid_epoch=False):
+                if ended or _end_record(
+                    cb_handler, batch_fn, prefetch, mid_epoch=False
+                ):
                     break
     except GeneratorExit:  # the consumer stopped iterating: a clean end
         raise
@@ -238,7 +243,9 @@ def fit_states(
             cb_handler.state["opt"].reset_scales()  # the next fit's lr: as given
 
 
-def _end_record(cb_handler: CallbackHandler, batch_fn: Any, mid_epoch: bool) -> bool:
+def _end_record(
+    cb_handler: CallbackHandler, batch_fn: Any, prefetch: Any, mid_epoch: bool
+) -> bool:
     """Validates (unless skipped), builds the record and runs ``on_epoch_end``;
     True when training must stop. ``mid_epoch``: a validation inside the epoch
     (``validate_now``), after which the epoch's training goes on."""
@@ -256,7 +263,9 @@ def _end_record(cb_handler: CallbackHandler, batch_fn: Any, mid_epoch: bool) -> 
         # epoch's own validation does, as in a hand-written loop; one inside
         # the epoch puts the generators back, or it would change the shuffles.
         rng = get_rng_state(valid_dl) if mid_epoch else None
-        results = validate(model, valid_dl, loss_func, cb_handler, metrics, batch_fn)
+        results = validate(
+            model, valid_dl, loss_func, cb_handler, metrics, batch_fn, prefetch
+        )
         if rng is not None:  # (a generator valid_dl shares with train_dl too)
             set_rng_state(rng, valid_dl)
     return cb_handler.on_epoch_end(results, num_batch)
@@ -340,6 +349,41 @@ def loss_batch(
     # loop of the user's passes no handler, which could tell the first batch.
     first = cb_handler is not None and cb_handler.first_batch(_LOSS_CHECKS[opt is None])
     cb_handler = cb_handler or CallbackHandler()
+    if opt is None:
+        loss = train_step(model, xb, yb, loss_func, None, cb_handler, first)
+    else:  # a callback may replay the step another way (step_fn: CudaGraph)
+        step_fn = cb_handler.state["step_fn"] or train_step
+        loss = step_fn(model, xb, yb, loss_func, opt, cb_handler, first)
+        if not cb_handler.on_step_end():
+            opt.zero_grad()
+    return loss.detach() if loss.requires_grad else loss
+
+
+def train_step(
+    model: nn.Module,
+    xb: Any,
+    yb: Any,
+    loss_func: LossFunc,
+    opt: Any,
+    cb_handler: CallbackHandler,
+    first: bool = False,
+) -> torch.Tensor:
+    """One batch up to the optimizer's step: forward, ``on_loss_begin``, loss
+    and, when ``opt`` is given, ``on_backward_begin``, backward,
+    ``on_backward_end`` and ``opt.step()``. ``loss_batch`` runs it, then
+    ``on_step_end`` and ``zero_grad``; a callback that sets the state key
+    ``step_fn`` (``CudaGraph``) runs it its own way, calling this function
+    (no second copy of the step). Returns ``loss_func``'s loss, not detached;
+    ``first``: the fit's first batch, whose loss inputs are checked.
+
+    Examples:
+        >>> from fitlib.core import train_step
+        >>> handler = CallbackHandler()
+        >>> xb, yb = next(iter(data.train_dl))
+        >>> loss = train_step(model, xb, yb, F.cross_entropy, opt, handler)
+        >>> loss.requires_grad  # the step was taken; zero_grad is up to you
+        True
+    """
     out = cb_handler.on_loss_begin(call_model(model, xb))
     if first:
         with loss_check(loss_func, out, as_tuple(yb)):
@@ -359,9 +403,7 @@ def loss_batch(
             bwd_loss.backward()
         if not cb_handler.on_backward_end():
             opt.step()
-        if not cb_handler.on_step_end():
-            opt.zero_grad()
-    return loss.detach() if loss.requires_grad else loss
+    return loss
 
 
 def validate(
@@ -371,11 +413,13 @@ def validate(
     cb_handler: CallbackHandler | None = None,
     metrics: list | Metrics | None = None,
     batch_fn: Callable[[Any], Any] | None = None,
+    prefetch: bool | None = None,
 ) -> list[torch.Tensor]:
     """Returns ``[valid_loss, *metrics]`` over ``dl`` as device tensors.
 
     ``batch_fn`` turns each batch of ``dl`` into ``(x, y)``, as
-    ``DataBunch(batch_fn=...)`` does in ``fit``.
+    ``DataBunch(batch_fn=...)`` does in ``fit``, and ``prefetch`` as
+    ``DataBunch(prefetch=...)``.
 
     The loss is averaged over what it averages over (``running_loss.loss_count``):
     the tokens a masked token loss keeps, else the samples (weighted by batch
@@ -401,7 +445,7 @@ def validate(
     count = cb_handler.count or None
     losses = RunningLoss()  # summed once at the end: cheaper than per batch
     with evaluating(model):
-        for xb, yb in batches(dl, device, "valid_dl", batch_fn):
+        for xb, yb in batches(dl, device, "valid_dl", batch_fn, prefetch):
             xb, yb = cb_handler.on_batch_begin(xb, yb, train=False)
             loss = loss_batch(model, xb, yb, loss_func, None, cb_handler)
             size = None if count is None else count(cb_handler.state["last_output"], yb)

@@ -1,7 +1,8 @@
 """Data and devices: ``DataBunch`` (the loaders and the device), and
 ``batches``, which turns what a loader yields into ``(x, y)`` batches on the
 model's device (``to_device``, ``unpaired`` for batches of inputs only or
-dicts, ``batch_fn`` for other formats)."""
+dicts, ``batch_fn`` for other formats; towards CUDA, copied on a side stream
+from pinned memory: ``prefetch``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from fitlib.checks import (
+    check_flag,
     check_int,
     check_loader,
     len_or_none,
@@ -21,7 +23,7 @@ from fitlib.checks import (
     regroup_fix,
 )
 from fitlib.errors import describe, name_of, reraise
-from fitlib.structure import map_tensors
+from fitlib.structure import map_tensors, tensors
 
 
 class DataBunch:
@@ -37,6 +39,23 @@ class DataBunch:
             inputs only); for loaders of another format (a DALI iterator's
             batch objects, a dict). Applied to every batch of every epoch,
             training and validation, before the batch moves to the device.
+        prefetch: copy each batch's host tensors to a CUDA device on a side
+            stream, from pinned memory (tensors the loader did not pin are
+            pinned first), so the copy runs while the GPU still works on the
+            steps before it; the step waits for its own batch's copy only.
+            None (the default): on for the batches whose host tensors the
+            loader pinned already (``DataLoader(pin_memory=True)``) where the
+            fit's device is CUDA; other batches are copied as with False
+            (pinning each batch on the host, synchronously, made the side
+            stream slower than the plain copy: see the speed page); False:
+            off (each tensor copied with ``non_blocking=True`` on the current
+            stream); True: on for every batch, pinning the others first, and
+            refused when ``device`` is not CUDA. The results are the same
+            bit for bit: the loader is read at the same points (a batch is
+            fetched when the loop asks for it, so augmentations draw their
+            random numbers in the same order, and a resumed fit replays the
+            same batches); reading ahead is the loader's own
+            (``DataLoader(num_workers=..., pin_memory=True)``).
 
     Examples:
         >>> from torch.utils.data import DataLoader, TensorDataset
@@ -45,6 +64,15 @@ class DataBunch:
         >>> DataBunch(DataLoader(train_ds, 64, shuffle=True),
         ...           DataLoader(valid_ds, 128))
         DataBunch(1 train batches, 1 valid batches, device=cpu)
+
+        Side-stream copies asked for where there is no CUDA device:
+
+        >>> DataBunch(DataLoader(train_ds, 64), device="cpu", prefetch=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: DataBunch: prefetch=True copies batches to a CUDA device on a
+        side stream; the device is cpu. Fix: prefetch=None (the default) or
+        device='cuda'.
 
         A loader of other batches (DALI's: a list of dicts) with ``batch_fn``:
 
@@ -62,6 +90,7 @@ class DataBunch:
         valid_dl: Iterable | None = None,
         device: torch.device | str | None = None,
         batch_fn: Callable[[Any], Any] | None = None,
+        prefetch: bool | None = None,
     ) -> None:
         if batch_fn is not None and not callable(batch_fn):
             raise TypeError(
@@ -80,12 +109,18 @@ class DataBunch:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = check_device(device)
+        if prefetch is not None:
+            example = "DataBunch(train_dl, valid_dl, prefetch=False) (or left out)"
+            prefetch = check_flag(prefetch, "prefetch", "DataBunch", example)
+        check_prefetch(prefetch, self.device, "DataBunch")
+        self.prefetch = prefetch
 
     def __repr__(self) -> str:
         train, valid = len_or_none(self.train_dl), len_or_none(self.valid_dl)
+        prefetch = "" if self.prefetch is None else f", prefetch={self.prefetch}"
         return (
             f"DataBunch({train} train batches, {valid} valid batches, "
-            f"device={self.device})"
+            f"device={self.device}{prefetch})"
         )
 
 
@@ -227,12 +262,16 @@ def batches(
     device: torch.device,
     name: str = "dl",
     batch_fn: Callable[[Any], Any] | None = None,
+    prefetch: bool | None = None,
 ) -> Iterator[tuple]:
     """Yields the ``(x, y)`` batches of ``dl`` on ``device``, checking their
     form; a batch of inputs only (``(x,)`` or a tensor) comes as ``(x, ())``:
     no targets, so ``loss_func(output)``; a dict batch as ``(batch,
     batch["labels"])`` (or ``(batch, ())``), see ``unpaired``. ``batch_fn``
-    first turns each batch of ``dl`` into one of those."""
+    first turns each batch of ``dl`` into one of those. ``prefetch``: as
+    ``DataBunch(prefetch=...)`` (None: side-stream copies of pinned batches
+    towards CUDA)."""
+    side = side_stream_copy(device, prefetch, name)
     n = 0
     for batch in dl:
         if batch_fn is not None:
@@ -242,10 +281,13 @@ def batches(
         else:
             x, y = unpaired(batch, name)
         # to_device's common case inline (this runs per step): tensors there.
-        if type(x) is not torch.Tensor or x.device != device:
-            x = to_device(x, device)
-        if type(y) is not torch.Tensor or y.device != device:
-            y = to_device(y, device)
+        if side is None:
+            if type(x) is not torch.Tensor or x.device != device:
+                x = to_device(x, device)
+            if type(y) is not torch.Tensor or y.device != device:
+                y = to_device(y, device)
+        elif not _both_there(x, y, device):
+            x, y = side((x, y))
         yield x, y
         n += 1
     # An empty sized loader was refused before training; one that says it has
@@ -256,6 +298,101 @@ def batches(
             f"{name} yielded no batches; fitlib needs at least one."
             + (one_shot_note(dl) or " Fix: check the dataset's length.")
         )
+
+
+def _both_there(x: Any, y: Any, device: torch.device) -> bool:
+    """Whether ``x`` and ``y`` are plain tensors on ``device`` already."""
+    if type(x) is not torch.Tensor or type(y) is not torch.Tensor:
+        return False
+    return x.device == device and y.device == device
+
+
+def side_stream_copy(
+    device: torch.device, prefetch: bool | None, owner: str = "dl"
+) -> _SideStreamCopy | None:
+    """What copies batches to ``device`` for ``prefetch`` (see ``DataBunch``):
+    a ``_SideStreamCopy`` towards CUDA unless ``prefetch`` is False (for None,
+    one that takes the side stream for pinned batches only), else None (the
+    plain copy); True with another device is refused, naming ``owner``."""
+    check_prefetch(prefetch, device, owner)
+    if device.type == "cuda" and prefetch is not False:
+        return _SideStreamCopy(device, pinned_only=prefetch is None)
+    return None
+
+
+def check_prefetch(prefetch: bool | None, device: torch.device, owner: str) -> None:
+    """Refuses ``prefetch=True`` (side-stream copies) towards a device that is
+    not CUDA, naming ``owner``."""
+    if prefetch and device.type != "cuda":
+        raise ValueError(
+            f"{owner}: prefetch=True copies batches to a CUDA device on a side "
+            f"stream; the device is {device}. Fix: prefetch=None (the default) "
+            "or device='cuda'."
+        )
+
+
+class _SideStreamCopy:
+    """Copies a batch's tensors to a CUDA ``device`` on a stream of its own.
+
+    Host tensors are pinned first (unless the loader pinned them), so the
+    copy is asynchronous; the current stream then waits for the copies (on
+    the GPU, not the host), and each copy is recorded as used by it, so the
+    caching allocator does not hand its memory out again while a step reads
+    it. ``cuda`` is ``torch.cuda`` (the tests give a stand-in). With
+    ``pinned_only``, a batch with a host tensor that is not pinned is copied
+    plainly instead (``to_device``: ``non_blocking`` on the current stream)."""
+
+    def __init__(
+        self, device: torch.device, cuda: Any = torch.cuda, pinned_only: bool = False
+    ) -> None:
+        if device.type == "cuda" and device.index is None:  # as tensors name it
+            device = torch.device("cuda", cuda.current_device())
+        self.device, self.cuda, self.pinned_only = device, cuda, pinned_only
+        self.side = cuda.Stream(device=device)
+
+    def __call__(self, batch: Any) -> Any:
+        if self.pinned_only and not _pinned(batch):
+            return to_device(batch, self.device)
+        current = self.cuda.current_stream(self.device)
+        copied = []
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device == self.device:
+                return t
+            if t.device.type == "cpu":
+                new = self.upload(t)
+            else:  # another GPU's: torch orders the copy with its streams
+                new = t.to(self.device, non_blocking=True)
+            copied.append(new)
+            return new
+
+        with self.cuda.stream(self.side):
+            batch = map_tensors(move, batch)
+        if copied:
+            current.wait_stream(self.side)
+            for t in copied:
+                self.used_by(t, current)
+        return batch
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor's copy on the device, started from pinned memory."""
+        pinned = t if t.is_pinned() else t.pin_memory()
+        return pinned.to(self.device, non_blocking=True)
+
+    def used_by(self, t: torch.Tensor, stream: Any) -> None:
+        """Keeps ``t``'s memory from reuse until ``stream``'s work so far is done."""
+        t.record_stream(stream)
+
+
+def _pinned(batch: Any) -> bool:
+    """Whether every host tensor of ``batch`` is pinned (a pinning loader's)."""
+    if type(batch) is tuple and len(batch) == 2:  # (x, y) of tensors: per step
+        x, y = batch
+        if type(x) is torch.Tensor and type(y) is torch.Tensor:
+            return (x.device.type != "cpu" or x.is_pinned()) and (
+                y.device.type != "cpu" or y.is_pinned()
+            )
+    return all(t.is_pinned() for _, t in tensors(batch) if t.device.type == "cpu")
 
 
 def _adapted(

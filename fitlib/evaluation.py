@@ -107,7 +107,9 @@ def _evaluate_once(
                            loss_func=loss_func, metrics=metrics)  # fmt: skip
     exception = None
     try:
-        values = validate(learn.model, dl, loss_func, handler, metrics, batch_fn)
+        prefetch = getattr(learn.data, "prefetch", None)  # DataBunch(prefetch=)
+        values = validate(learn.model, dl, loss_func, handler, metrics, batch_fn,
+                          prefetch)  # fmt: skip
     except BaseException as e:
         exception = e
         raise

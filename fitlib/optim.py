@@ -465,11 +465,10 @@ class HPOptimizer(HyperParams):
 
     def _decay(self, keep: Any = 1) -> None:
         """``p *= 1 - lr * wd``; ``keep`` (a 0/1 device tensor) may cancel it."""
-        decays, mirror = [], self._mirror  # (runs at every step: kept lean)
-        for i, group in enumerate(self.opt.param_groups):
+        decays = []  # (runs at every step: kept lean)
+        for group in self.opt.param_groups:
             wd = group.get(_TRUE_WD_KEY, 0.0)
-            lr = mirror[i].get(("lr", None), group["lr"]) if mirror else group["lr"]
-            if wd and lr:
+            if wd:  # wd alone decides (a captured step keeps its decay at lr 0)
                 decays.append((group["lr"] * wd, group["params"]))  # (no read)
         if not decays:  # wd=0: no grad-mode switch at every step
             return

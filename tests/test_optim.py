@@ -116,6 +116,36 @@ def test_true_wd_with_sgd_decays_weights_apart_from_the_gradient():
         assert torch.equal(x, y)
 
 
+def test_true_wd_decides_on_wd_alone_so_a_step_at_lr_0_keeps_its_decay():
+    # A CUDA graph captured at lr 0 replays the kernels it recorded: the decay
+    # must be launched at lr 0 too (a no-op there), to act once the tensor lr
+    # is filled with more.
+    m = params()
+    opt = HPOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, wd=0.5, true_wd=True)
+    opt.hypers_as_tensors(("lr",))
+    opt.lr = 0.0  # (a schedule's end, or its start)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.clone() for p in m.parameters()]
+    versions = [p._version for p in m.parameters()]
+    opt._decay()
+    assert [p._version for p in m.parameters()] != versions  # launched at lr 0
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))  # no-op
+    opt.lr = 0.1
+    opt._decay()
+    assert all(torch.allclose(p, q * (1 - 0.1 * 0.5))
+               for p, q in zip(m.parameters(), before))  # fmt: skip
+    opt.hypers_as_floats()
+    opt.lr = 0.0
+    opt.step()  # floats: lr 0 then lr > 0 decays as before
+    assert all(torch.allclose(p, q * (1 - 0.1 * 0.5))
+               for p, q in zip(m.parameters(), before))  # fmt: skip
+    opt.lr = 0.2
+    opt.step()
+    assert all(torch.allclose(p, q * 0.95 * 0.9 - 0.2)
+               for p, q in zip(m.parameters(), before))  # fmt: skip
+
+
 def test_true_wd_skips_parameters_without_gradient():
     m = params()
     m[0].requires_grad_(False)

@@ -50,6 +50,7 @@ class GradientClipping(Callback):
 
     order = -10  # after mixed precision (-20) unscales, before anything reads
     compiled_step_safe = True  # its step hooks read nothing on the host
+    cuda_graph_safe = True  # device work only: CudaGraph may capture it
 
     def __init__(
         self,
@@ -83,6 +84,20 @@ class GradientClipping(Callback):
             self.last_norm = norm.detach()
         else:
             nn.utils.clip_grad_value_(model.parameters(), self.max_value, foreach=None)
+
+    def graph_replay(self) -> Any:
+        """For ``CudaGraph``, right after it captured the step with this hook
+        inside: what to run after each replay, which rewrites the captured
+        norm tensor but runs no Python: ``last_norm`` put back to that tensor
+        (an eager step in between, a ragged batch, set it to its own)."""
+        captured = self.last_norm
+        if captured is None:  # (max_value: no norm)
+            return None
+
+        def replayed() -> None:
+            self.last_norm = captured
+
+        return replayed
 
     def __repr__(self) -> str:
         if self.max_norm is not None:

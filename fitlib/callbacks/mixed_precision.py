@@ -64,6 +64,7 @@ class MixedPrecision(Callback):
 
     order = -20  # after GradientAccumulation, before clipping and user callbacks
     compiled_step_safe = True  # its step hooks read nothing on the host
+    cuda_graph_safe = True  # device work only (float16: CudaGraph wants it fused)
     in_evaluation = True  # validate, get_preds, predict: in this precision too
 
     def __init__(
@@ -156,6 +157,24 @@ class MixedPrecision(Callback):
             opt.grad_scaler = None  # a later fit without this callback steps plainly
         if self._unscaled:  # an error between unscale_ and update()
             self._drop_unfinished_step()
+
+    def graph_replay(self) -> Any:
+        """For ``CudaGraph``, right after it captured the step with these hooks
+        inside: what to run after each replay, which runs their kernels but
+        not their Python: autocast off, and the captured unscale's state (its
+        found-inf tensors, which each replay rewrites) for ``on_step_end``."""
+        if self.scaler is None:
+            return self._leave_autocast
+        found, unscaled = self._found, self._unscaled
+        states = {k: dict(v) for k, v in self.scaler._per_optimizer_states.items()}
+
+        def replayed() -> None:
+            self._leave_autocast()
+            self._found, self._unscaled = found, unscaled
+            for key, value in states.items():
+                self.scaler._per_optimizer_states[key] = dict(value)
+
+        return replayed
 
     def _leave_autocast(self) -> None:
         if self._in_autocast:
