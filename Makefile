@@ -55,12 +55,15 @@ bench: $(VENV)/.base
 # benchmarks/gpu.py, which writes benchmarks/results/gpu-<device>.md. It runs
 # with the Python that already has torch there (GPU_PYTHON), not .venv; it
 # needs fastprogress importable (docs/explanation/speed.md, "GPU").
+# GPU_BENCH_ARGS: --budget is the seconds of gpu.py's step tables (about 5
+# minutes in all on an H100); e.g. GPU_BENCH_ARGS="--compile --budget 600".
 GPU_PYTHON ?= python3
+GPU_BENCH_ARGS ?= --compile --budget 180
 gpu-check:
 	status=0; \
 	$(GPU_PYTHON) -m pytest -q -m cuda -p no:cacheprovider \
 		$$(grep -rl "mark.cuda" tests) || status=1; \
-	$(GPU_PYTHON) benchmarks/gpu.py --compile || status=1; \
+	$(GPU_PYTHON) benchmarks/gpu.py $(GPU_BENCH_ARGS) || status=1; \
 	exit $$status
 
 clean:
