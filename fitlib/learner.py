@@ -25,12 +25,14 @@ from torch.nn import functional as F  # noqa: N812
 
 import fitlib.evaluation as evaluation
 import fitlib.ranks as ranks
+from fitlib.batch_size_finder import BatchSizeResult, find_batch_size
 from fitlib.callback import Callback, inner_callback
 from fitlib.callback_handler import callback_list
 from fitlib.callbacks.accumulation import GradientAccumulation
 from fitlib.callbacks.backbone_finetuning import BackboneFinetuning, set_trainable
 from fitlib.callbacks.channels_last import ChannelsLast, check_convolutional
 from fitlib.callbacks.compile import Compile
+from fitlib.callbacks.cuda_graph import CudaGraph
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.lr_finder import LRFinder, lr_sweep
 from fitlib.callbacks.mixed_precision import MixedPrecision
@@ -808,6 +810,59 @@ class Learner:
             if not had_opt:
                 self.opt = None
 
+    def find_batch_size(
+        self,
+        mode: str = "power",
+        init_val: int = 2,
+        max_trials: int = 25,
+        steps_per_trial: int = 3,
+        max_batch_size: int | None = None,
+        max_memory: int | str | None = None,
+        apply: bool = False,
+        verbose: bool = True,
+        extra_memory: int | str | None = None,
+    ) -> BatchSizeResult:
+        """The largest training batch size that fits (see ``find_batch_size``
+        for the arguments): ``steps_per_trial`` steps at each size tried,
+        with the callbacks that shape a step (``MixedPrecision`` from
+        ``to_bf16()``, accumulation, yours: ``Callback.in_lr_find``); every
+        state is put back after. ``apply=True`` rebuilds ``data.train_dl``
+        with the size found. Prints what it found in one line (unless
+        ``verbose=False``); on the CPU, give ``max_memory``.
+
+        The callbacks left out of the trials (``in_lr_find = False``: ``EMA``,
+        ``SWA``, ``Compile``, ``DistributedTrainer``, the loggers, ...) do not
+        run, but what ``EMA`` and ``SWA`` will hold, a float32 copy of the
+        weights they average, is counted as held through every trial (with
+        ``extra_memory``, yours added: see ``memory_left_out``). ``Compile``
+        (compiled kernels usually hold less) and DDP's gradient buckets
+        (about one more copy of the gradients) are not counted.
+
+        Examples:
+            >>> learn.find_batch_size(max_memory="15kB")
+            find_batch_size: batch size 32 (verified: peak ... kB of 15 kB); tried
+            2, 4, 8, 16, 32, 64 ✗; first failure: 64 (over the 15 kB budget:
+            stopped at ... kB); stopped by the first failure (power mode)
+            BatchSizeResult(batch_size=32, 6 trials, stopped by the first failure
+            (power mode))
+        """
+        had_opt = self.opt is not None
+        if not had_opt:
+            self.create_opt(1e-3)  # any rate: the trials' steps are undone
+        try:
+            return find_batch_size(
+                self.model, self.loss_func, self.opt, self.data,
+                callbacks=[cb for cb in self.callbacks if _in_lr_find(cb)],
+                left_out=[cb for cb in self.callbacks if not _in_lr_find(cb)],
+                mode=mode, init_val=init_val, max_trials=max_trials,
+                steps_per_trial=steps_per_trial, max_batch_size=max_batch_size,
+                max_memory=max_memory, extra_memory=extra_memory, apply=apply,
+                verbose=verbose,
+            )  # fmt: skip
+        finally:
+            if not had_opt:
+                self.opt = None
+
     def fit_snapshots(
         self,
         n_steps: int,
@@ -920,6 +975,23 @@ class Learner:
         compiler = Compile(**kwargs)  # checked before anything changes
         self.callbacks = [cb for cb in self.callbacks if not isinstance(cb, Compile)]
         self.callbacks.append(compiler)
+        return self
+
+    def cuda_graph(self, warmup: int = 3) -> Any:
+        """Replays every later fit's training steps as a CUDA graph after
+        ``warmup`` eager steps (see ``CudaGraph``: a GPU, static shapes; only
+        the lr may follow a schedule: ``fit_one_cycle(..., moms=None)``; a
+        distributed fit and ``fine_tune`` are refused). Replaces an earlier
+        ``CudaGraph``; a bad ``warmup`` changes nothing. Returns the Learner.
+
+        Examples:
+            >>> learn = Learner(data, model, F.cross_entropy)
+            >>> learn.cuda_graph(warmup=5).callbacks
+            [CudaGraph(warmup=5)]
+        """
+        graph = CudaGraph(warmup)  # checked before anything changes
+        self.callbacks = [cb for cb in self.callbacks if not isinstance(cb, CudaGraph)]
+        self.callbacks.append(graph)
         return self
 
     def to_channels_last(self) -> Any:

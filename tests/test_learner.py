@@ -519,3 +519,58 @@ def test_every_fit_method_takes_the_time_budget_and_the_batch_caps():
     assert seen.count(True) == 2
     history = learn.fit(3, lr=0.1, max_time=1e-9)
     assert history.stop_reason.startswith("max_time=") and len(history) == 0
+
+
+def test_find_batch_size_trains_with_the_learners_precision_and_puts_all_back(capsys):
+    def learner():
+        data, model = make_data(n_train=400), make_model()
+        return Learner(data, model, F.cross_entropy, progress=False, metrics=[],
+                       opt_func=torch.optim.Adam)  # fmt: skip
+
+    full, half = learner(), learner().to_bf16()
+    before = {k: v.clone() for k, v in half.model.state_dict().items()}
+    sizes = [learn.find_batch_size(max_memory="30kB", mode="binsearch").batch_size
+             for learn in (full, half)]  # fmt: skip
+    assert sizes[1] > sizes[0]  # bfloat16 activations take less memory
+    pairs = zip(before.values(), half.model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in pairs) and half.opt is None
+    assert capsys.readouterr().out.count("find_batch_size: batch size ") == 2
+    found = half.find_batch_size(max_memory="30kB", mode="binsearch", apply=True)
+    assert half.data.train_dl.batch_size == found.batch_size == sizes[1]
+
+
+def test_find_batch_size_counts_what_callbacks_left_out_of_the_trials_hold(capsys):
+    """EMA is left out of the trials (its average would be thrown away), but
+    the real fit holds its average: the trials count those bytes as held,
+    and verbose=False, as the function takes it, prints nothing."""
+    from fitlib.callbacks import EMA
+
+    def learner(*callbacks):
+        return Learner(make_data(n_train=400), make_model(), F.cross_entropy,
+                       progress=False, metrics=[], opt_func=torch.optim.Adam,
+                       wd=0.01, callbacks=list(callbacks))  # fmt: skip
+
+    ema = EMA(decay=0.9)
+    plain, averaged = learner(), learner(ema)
+    found = [learn.find_batch_size(max_memory="1GB", max_batch_size=8, verbose=False)
+             for learn in (plain, averaged)]  # fmt: skip
+    assert capsys.readouterr().out == ""
+    averaged.fit(1, 1e-3)  # what the average really takes
+    held = sum(t.untyped_storage().nbytes() for t in ema.average.averages)
+    assert held > 0
+    assert [b.peak - a.peak for a, b in zip(*(f.trials for f in found))] == [held] * 3
+
+
+def test_cuda_graph_replaces_an_earlier_one_and_a_bad_warmup_changes_nothing():
+    from fitlib.callbacks import CudaGraph, GradientClipping
+
+    clip = GradientClipping(max_norm=1.0)
+    learn = Learner(make_data(), make_model(), F.cross_entropy, callbacks=[clip])
+    assert learn.cuda_graph() is learn
+    learn.cuda_graph(warmup=7)  # replaces the first: one graph per fit
+    assert [repr(cb) for cb in learn.callbacks] == [repr(clip), "CudaGraph(warmup=7)"]
+    before = list(learn.callbacks)
+    with pytest.raises(ValueError, match=r"CudaGraph: warmup must be an int >= 1"):
+        learn.cuda_graph(warmup=0)
+    assert learn.callbacks == before and learn.callbacks[1].warmup == 7
+    assert sum(isinstance(cb, CudaGraph) for cb in learn.callbacks) == 1

@@ -8,23 +8,30 @@ gives the rows the reference shows (docs/reference/state.md). The filters
 
 from fitlib.callback import Callback
 from fitlib.callbacks.accumulation import GradientAccumulation
+from fitlib.callbacks.activation_checkpointing import ActivationCheckpointing
 from fitlib.callbacks.backbone_finetuning import BackboneFinetuning
 from fitlib.callbacks.channels_last import ChannelsLast
 from fitlib.callbacks.checkpoint import Checkpoint
 from fitlib.callbacks.clipping import GradientClipping
 from fitlib.callbacks.compile import Compile
 from fitlib.callbacks.csv_logger import CSVLogger
+from fitlib.callbacks.cuda_graph import CudaGraph
+from fitlib.callbacks.cutmix import CutMix
 from fitlib.callbacks.distributed_trainer import DistributedTrainer
 from fitlib.callbacks.early_stopping import EarlyStopping
+from fitlib.callbacks.ema import EMA
 from fitlib.callbacks.filters import every, first, once
 from fitlib.callbacks.gan_trainer import GANTrainer
 from fitlib.callbacks.lr_finder import LRFinder
 from fitlib.callbacks.mixed_precision import MixedPrecision
+from fitlib.callbacks.mixup import MixUp
 from fitlib.callbacks.mlflow_logger import MLflowLogger
 from fitlib.callbacks.model_summary import ModelSummary
 from fitlib.callbacks.one_cycle import OneCycleScheduler
+from fitlib.callbacks.optuna_pruning import OptunaPruning
 from fitlib.callbacks.plateau import ReduceLROnPlateau
 from fitlib.callbacks.progress import ProgressBar
+from fitlib.callbacks.progressive_resizing import ProgressiveResizing
 from fitlib.callbacks.recorder import Recorder
 from fitlib.callbacks.schedule import (
     ParamScheduler,
@@ -34,6 +41,7 @@ from fitlib.callbacks.schedule import (
     linear,
 )
 from fitlib.callbacks.stop_when import StopWhen
+from fitlib.callbacks.swa import SWA
 from fitlib.callbacks.sweep_bar import SweepBar
 from fitlib.callbacks.tensorboard import TensorBoardLogger
 from fitlib.callbacks.terminate_on_nan import TerminateOnNaN
@@ -45,11 +53,16 @@ from fitlib.callbacks.validation import ValidationSchedule
 from fitlib.lr_suggestions import SuggestedLRs
 
 __all__ = [
+    "EMA",
+    "SWA",
+    "ActivationCheckpointing",
     "BackboneFinetuning",
     "CSVLogger",
     "ChannelsLast",
     "Checkpoint",
     "Compile",
+    "CudaGraph",
+    "CutMix",
     "DistributedTrainer",
     "EarlyStopping",
     "GANTrainer",
@@ -57,11 +70,14 @@ __all__ = [
     "GradientClipping",
     "LRFinder",
     "MLflowLogger",
+    "MixUp",
     "MixedPrecision",
     "ModelSummary",
     "OneCycleScheduler",
+    "OptunaPruning",
     "ParamScheduler",
     "ProgressBar",
+    "ProgressiveResizing",
     "Recorder",
     "ReduceLROnPlateau",
     "StopWhen",
@@ -91,9 +107,17 @@ ORDER_REASONS: dict[str, str] = {
         "first of all: shows the model as given, before DistributedTrainer wraps "
         "or shards it; its one forward runs alone on rank 0 and changes nothing"
     ),
+    "ProgressiveResizing": (
+        "resizes each training batch's images before any other hook: ChannelsLast "
+        "converts the resized images, autocast is not on yet"
+    ),
     "ChannelsLast": (
         "NHWC weights before DDP lays out its buckets; converts each batch "
-        "before any other hook"
+        "before any later hook (after ProgressiveResizing resized it)"
+    ),
+    "ActivationCheckpointing": (
+        "wraps the plain model's submodules before DistributedTrainer wraps the "
+        "model and Compile compiles it"
     ),
     "DistributedTrainer": (
         "first: the model (DDP), device and sharded data the others see are set here"
@@ -107,9 +131,22 @@ ORDER_REASONS: dict[str, str] = {
         "or epoch, when the others have finished the previous one (best.pth too, "
         "once the epoch's record is complete)"
     ),
+    "EMA": (
+        "after Checkpoint (its restore comes first, its final save holds the "
+        "live weights); before the others: its validation values are declared "
+        "as the monitors check them, and added before they read the record"
+    ),
     "GANTrainer": (
         "whose turn: the part that steps and learns is set before accumulation "
         "and mixed precision"
+    ),
+    "MixUp": (
+        "mixes a training batch after Checkpoint saved (a resume replays its "
+        "draws), its loss before GradientAccumulation and MixedPrecision scale it"
+    ),
+    "CutMix": (
+        "mixes a training batch after Checkpoint saved (a resume replays its "
+        "draws), its loss before GradientAccumulation and MixedPrecision scale it"
     ),
     "GradientAccumulation": (
         "first: decides whether this batch steps (``skip_step``) and scales the "
@@ -122,6 +159,11 @@ ORDER_REASONS: dict[str, str] = {
     "TrainStats": "the raw gradient norm: unscaled, not yet clipped",
     "GradientClipping": (
         "clips true (unscaled) gradients right before the step that uses them"
+    ),
+    "CudaGraph": (
+        "sets the loop's step function once Checkpoint restored the optimizer and "
+        "MixedPrecision attached its scaler; its step runs after every "
+        "``on_batch_begin`` (autocast on)"
     ),
     "Callback": (
         "your callbacks (the default order): see unscaled gradients; values added "
@@ -150,6 +192,7 @@ ORDER_REASONS: dict[str, str] = {
     "LRFinder": (
         "sets the lr of the next step after each optimizer step, and stops the sweep"
     ),
+    "SWA": ("after the schedulers: from swa_start on, its lr is the one that counts"),
     "ReduceLROnPlateau": "lowers the lr after an epoch's validation",
     "TerminateOnNaN": "reads the losses at a paced check or epoch end",
     "EarlyStopping": (
@@ -159,6 +202,11 @@ ORDER_REASONS: dict[str, str] = {
     "StopWhen": (
         "as EarlyStopping: its condition sees the values your callbacks add; the "
         "Recorder and the bar still show the epoch it stops after"
+    ),
+    "OptunaPruning": (
+        "as EarlyStopping: reports the values your callbacks add too; its stop "
+        "comes before TimeLimit's suspend, and the Recorder, loggers and bar "
+        "still show the record it pruned at"
     ),
     "TimeLimit": (
         "after the stopping rules: a stop that finishes the run comes first and "
