@@ -475,7 +475,7 @@ def test_a_cuda_fit_with_side_stream_copies_equals_one_without_bit_for_bit(
         f"prefetch=False still made {calls[0]} side-stream copies: the loop "
         "(core.fit_states, validate) does not pass DataBunch.prefetch to batches()"
     )
-    side = cuda_learner(prefetch=None, pin=pin)
+    side = cuda_learner(prefetch=True, pin=pin)
     side_history = side.fit(2, lr=1e-2)
     assert calls[0] == 2 * (7 + 3), f"{calls[0]} side-stream copies, not 20"
     differ = [k for k, v in plain.model.state_dict().items()
@@ -527,7 +527,7 @@ def test_side_stream_copies_add_no_host_sync_per_step():
     def syncs(n_batches):
         torch.manual_seed(0)
         train_dl = DataLoader(make_dataset(16 * n_batches), 16, shuffle=True)
-        data = DataBunch(train_dl, None, device="cuda")  # prefetch: the default
+        data = DataBunch(train_dl, None, device="cuda", prefetch=True)
         learn = Learner(data, make_model(), F.cross_entropy, metrics=[],
                         progress=False)  # fmt: skip
         with warnings.catch_warnings(record=True) as caught:
@@ -549,13 +549,13 @@ def test_side_stream_copies_add_no_host_sync_per_step():
 def test_a_cuda_fit_resumed_part_way_with_side_stream_copies_equals_an_unbroken_one(
     tmp_path,
 ):
-    unbroken = cuda_learner(prefetch=None)
+    unbroken = cuda_learner(prefetch=True)
     unbroken.fit(2, lr=1e-2)
-    broken = cuda_learner(None, callbacks=[Checkpoint(tmp_path, every_n_steps=3),
+    broken = cuda_learner(True, callbacks=[Checkpoint(tmp_path, every_n_steps=3),
                                            Crash(at=9)])  # fmt: skip
     with pytest.raises(RuntimeError, match="crash"):
         broken.fit(2, lr=1e-2)
-    resumed = cuda_learner(None, callbacks=[Checkpoint(tmp_path, every_n_steps=3)])
+    resumed = cuda_learner(True, callbacks=[Checkpoint(tmp_path, every_n_steps=3)])
     resumed.fit(2, lr=1e-2)
     a, b = unbroken.recorder, resumed.recorder
     assert (a.losses, a.valid_losses) == (b.losses, b.valid_losses), (
