@@ -230,12 +230,15 @@ def _run_trials(
 
 def load_best(
     study: Any, make_learner: Callable, directory: str | os.PathLike = "runs",
-    seed: int = 0,
+    seed: int = 0, monitor: str = "valid_loss",
 ) -> Learner:  # fmt: skip
     """The best trial's Learner: ``make_learner`` with its parameters (an
     ``optuna.trial.FixedTrial``), seeded as the trial was, with the weights,
     optimizer and Recorder of its run directory's newest checkpoint: the
-    weights that scored its value.
+    weights that scored its value. When the trial validated a weight average
+    (``EMA(validate_on="ema")``, or ``"both"`` with an ``ema_`` ``monitor``),
+    the model gets the average, as the checkpoint holds the live weights as
+    the model and the average in the callback's state.
 
     Examples:
         >>> from fitlib.tune import load_best, search
@@ -265,7 +268,21 @@ def load_best(
     learn = make_learner(optuna.trial.FixedTrial(best.params, best.number))
     learn.load(files[-1])
     give_states([learn.recorder], safe_load(files[-1])["callbacks"])
+    for cb in learn.callbacks:
+        if _validated_the_average(cb, monitor):
+            cb.copy_to(learn.model)
     return learn
+
+
+def _validated_the_average(cb: Any, monitor: str) -> bool:
+    """Whether ``cb`` keeps a weight average (``averages_weights``, with
+    ``copy_to``) that scored ``monitor``: validated on the average alone, or
+    beside the live weights with ``monitor`` one of the average's values."""
+    if not getattr(cb, "averages_weights", False) or not hasattr(cb, "copy_to"):
+        return False
+    on = getattr(cb, "validate_on", None)
+    scored = on == "ema" or (on == "both" and monitor.startswith("ema_"))
+    return scored and bool(getattr(cb, "updates", 0))
 
 
 @dataclass
@@ -300,7 +317,8 @@ class Search:
         return self.directory / run_name(trial)
 
     def best_learner(self) -> Learner:
-        return load_best(self.study, self.make_learner, self.directory, self.seed)
+        return load_best(self.study, self.make_learner, self.directory, self.seed,
+                         self.monitor)  # fmt: skip
 
     def __repr__(self) -> str:
         states = [t.state.name for t in self.study.trials]

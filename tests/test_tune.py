@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fitlib import Callback, Learner
+from fitlib.callbacks import EMA
 from fitlib.metrics import accuracy
 from fitlib.serialization import safe_load
 from fitlib.tune import Search, load_best, search
@@ -134,6 +135,25 @@ def test_best_learner_holds_the_best_trials_final_weights(tmp_path):
     assert all(
         torch.equal(a, b)
         for a, b in zip(state.values(), again.model.state_dict().values())
+    )
+
+
+@pytest.mark.parametrize(("validate_on", "monitor"), [
+    ("ema", "valid_loss"), ("both", "ema_valid_loss"), ("both", "valid_loss"),
+])  # fmt: skip
+def test_best_learner_holds_the_weights_that_scored_with_an_ema(
+    tmp_path, validate_on, monitor
+):
+    def make(trial):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        ema = EMA(decay=0.5, validate_on=validate_on)
+        return Learner(make_data(), model, F.cross_entropy, wd=0.01, progress=False,
+                       opt_func=torch.optim.SGD, callbacks=[ema])  # fmt: skip
+
+    found = run(tmp_path, 2, make=make, monitor=monitor)
+    best = found.best_learner()
+    assert best.validate()[monitor.removeprefix("ema_")] == pytest.approx(
+        found.best_value, rel=1e-6
     )
 
 

@@ -78,8 +78,9 @@ class MixUp(Callback):
     """
 
     # After Checkpoint (its save at a batch's start holds the draws to come),
+    # before a loss term at -35 (added to the mixed loss, unweighted) and
     # before GradientAccumulation and MixedPrecision scale the loss.
-    order = -35
+    order = -36
     compiled_step_safe = True  # on_backward_begin reads nothing on the host
     _min_dims = 1  # the inputs it mixes: any floating-point tensor
     _default_alpha = 0.4  # (the example of alpha's error)

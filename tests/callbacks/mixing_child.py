@@ -50,7 +50,7 @@ class KillAfter(Callback):
 class Mixed(Callback):
     """Counts the training batches the recipe really mixed (``lam < 1``)."""
 
-    order = 0  # after MixUp / CutMix (-35)
+    order = 0  # after MixUp / CutMix (-36)
 
     def __init__(self, recipe):
         self.recipe, self.count = recipe, 0

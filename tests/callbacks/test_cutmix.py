@@ -34,7 +34,7 @@ def image_fit(callbacks, n=13, bs=5, epochs=1):
 
 
 class Spy(Callback):
-    order = 0  # after CutMix (-35)
+    order = 0  # after CutMix (-36)
 
     def __init__(self):
         self.seen = []
@@ -42,6 +42,37 @@ class Spy(Callback):
     def on_loss_begin(self, last_input, train):
         if train:
             self.seen.append(last_input.clone())
+
+
+class Penalty(Callback):
+    """A loss term at the order change-a-training-step.md gives loss terms."""
+
+    order = -35
+
+    def on_backward_begin(self, last_loss):
+        return {"last_loss": last_loss + 100.0}
+
+
+class BackwardLoss(Callback):
+    """Keeps the loss backward() gets, before GradientAccumulation (-30)."""
+
+    order = -33
+
+    def __init__(self):
+        self.seen = []
+
+    def on_backward_begin(self, last_loss):
+        self.seen.append(last_loss.detach().clone())
+
+
+@pytest.mark.parametrize("targets", ["loss", "soft"])
+def test_a_loss_term_at_order_minus_35_is_added_after_the_cutmix(targets):
+    alone, with_term = BackwardLoss(), BackwardLoss()  # constant term: same steps
+    image_fit([CutMix(alpha=1.0, seed=11, targets=targets), alone])
+    image_fit([Penalty(), CutMix(alpha=1.0, seed=11, targets=targets), with_term])
+    assert len(with_term.seen) == 3
+    for mixed, total in zip(alone.seen, with_term.seen, strict=True):
+        torch.testing.assert_close(total, mixed + 100.0)  # not dropped, not weighted
 
 
 def reference_step(x, lam, g):

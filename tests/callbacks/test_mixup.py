@@ -19,7 +19,7 @@ from fitlib.sequences import masked_cross_entropy
 class Spy(Callback):
     """Keeps each batch's inputs and targets as the model gets them."""
 
-    order = 0  # after MixUp (-35)
+    order = 0  # after MixUp (-36)
 
     def __init__(self):
         self.seen = []
@@ -109,6 +109,40 @@ def test_the_mixed_loss_is_what_gradient_accumulation_scales(precision):
             opt.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+class Penalty(Callback):
+    """A loss term at the order change-a-training-step.md gives loss terms."""
+
+    order = -35
+
+    def on_backward_begin(self, last_loss):
+        return {"last_loss": last_loss + 100.0}
+
+
+class BackwardLoss(Callback):
+    """Keeps the loss backward() gets, before GradientAccumulation (-30)."""
+
+    order = -33
+
+    def __init__(self):
+        self.seen = []
+
+    def on_backward_begin(self, last_loss):
+        self.seen.append(last_loss.detach().clone())
+
+
+@pytest.mark.parametrize("targets", ["loss", "soft"])
+def test_a_loss_term_at_order_minus_35_is_added_after_the_mix_whatever_the_list_order(
+    targets,
+):
+    # a constant term: the same gradients, so both fits see the same batches
+    alone, with_term = BackwardLoss(), BackwardLoss()
+    linear_fit([MixUp(seed=7, targets=targets), alone])
+    linear_fit([Penalty(), MixUp(seed=7, targets=targets), with_term])
+    assert len(with_term.seen) == 3
+    for mixed, total in zip(alone.seen, with_term.seen, strict=True):
+        torch.testing.assert_close(total, mixed + 100.0)  # not dropped, not weighted
 
 
 # -- what is mixed, and when ----------------------------------------------------------
