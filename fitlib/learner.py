@@ -835,8 +835,10 @@ class Learner:
         run, but what ``EMA`` and ``SWA`` will hold, a float32 copy of the
         weights they average, is counted as held through every trial (with
         ``extra_memory``, yours added: see ``memory_left_out``). ``Compile``
-        (compiled kernels usually hold less) and DDP's gradient buckets
-        (about one more copy of the gradients) are not counted.
+        (compiled kernels usually hold less), DDP's gradient buckets
+        (about one more copy of the gradients) and ``CudaGraph``'s memory
+        pool (its static inputs and the captured step's activations, held
+        for the whole fit) are not counted: leave room for them.
 
         Examples:
             >>> learn.find_batch_size(max_memory="15kB")

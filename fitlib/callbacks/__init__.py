@@ -120,7 +120,8 @@ ORDER_REASONS: dict[str, str] = {
         "model and Compile compiles it"
     ),
     "DistributedTrainer": (
-        "first: the model (DDP), device and sharded data the others see are set here"
+        "before the rest: the model (DDP), device and sharded data the others see "
+        "are set here (only what shapes the plain model or its batches comes first)"
     ),
     "Compile": (
         "compiles the model in place (inside the DDP wrapper that "
@@ -142,11 +143,13 @@ ORDER_REASONS: dict[str, str] = {
     ),
     "MixUp": (
         "mixes a training batch after Checkpoint saved (a resume replays its "
-        "draws), its loss before GradientAccumulation and MixedPrecision scale it"
+        "draws), its loss before a loss term at -35 is added (unweighted) and "
+        "before GradientAccumulation and MixedPrecision scale it"
     ),
     "CutMix": (
         "mixes a training batch after Checkpoint saved (a resume replays its "
-        "draws), its loss before GradientAccumulation and MixedPrecision scale it"
+        "draws), its loss before a loss term at -35 is added (unweighted) and "
+        "before GradientAccumulation and MixedPrecision scale it"
     ),
     "GradientAccumulation": (
         "first: decides whether this batch steps (``skip_step``) and scales the "

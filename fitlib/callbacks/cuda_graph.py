@@ -87,6 +87,9 @@ class CudaGraph(Callback):
     CUDA device; a distributed fit (``DistributedTrainer``, a
     ``DistributedDataParallel`` model: not yet tested on GPUs);
     ``BackboneFinetuning`` (``Learner.fine_tune``), which unfreezes mid-fit;
+    ``ActivationCheckpointing`` (not yet tested on a GPU under a capture);
+    ``ProgressiveResizing`` with several sizes; ``SWA(swa_lr=...)`` with a
+    float lr;
     a callback that overrides ``on_loss_begin``,
     ``on_backward_begin`` or ``on_backward_end`` without declaring
     ``cuda_graph_safe = True`` (``MixedPrecision``, ``GradientClipping``

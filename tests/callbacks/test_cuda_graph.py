@@ -28,6 +28,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, MultiOptimizer, fit
 from fitlib.callbacks import (
+    SWA,
+    ActivationCheckpointing,
     BackboneFinetuning,
     GradientAccumulation,
     GradientClipping,
@@ -284,6 +286,25 @@ def test_refuses_backbone_finetuning_before_training_naming_the_fix():
     with pytest.raises(ValueError, match=r"CudaGraph: BackboneFinetuning unfreezes"
                        r".*Fix: train without CudaGraph while unfreezing"):  # fmt: skip
         adamw_fit(every(BackboneFinetuning(1), when=lambda epoch: True), CudaGraph())
+
+
+def test_swa_annealing_a_float_lr_is_refused_before_training():
+    # SWA sets the lr without listing it in sets_hypers (its named exception):
+    # with plain SGD the lr is a float the graph would bake in at capture.
+    with pytest.raises(ValueError, match=r"CudaGraph: SWA schedules 'lr', which "
+                       r"SGD holds as a float.*Fix"):  # fmt: skip
+        adamw_fit(SWA(swa_start=0, swa_lr=0.05), CudaGraph(), opt_func=torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"CudaGraph: the model is on 'cpu'"):
+        adamw_fit(SWA(swa_start=0), CudaGraph(), opt_func=torch.optim.SGD)  # no lr
+
+
+def test_activation_checkpointing_is_refused_until_tested_on_a_gpu():
+    with pytest.raises(ValueError, match=r"CudaGraph: ActivationCheckpointing "
+                       r"recomputes.*not yet tested on a GPU.*Fix"):  # fmt: skip
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = HPOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        fit(1, model, F.cross_entropy, opt, make_data(),
+            [ActivationCheckpointing(["0"]), CudaGraph()])  # fmt: skip
 
 
 def test_learn_fine_tune_with_cuda_graph_is_refused_before_training():
