@@ -208,15 +208,19 @@ def _run_trials(
     opts, start = objective.opts, time.monotonic()
     if opts.timeout is not None:  # each trial's fit suspends at the deadline
         objective.deadline = start + opts.timeout
+    ran = False  # a trial in this call (else a rerun of a finished search)
     while opts.timeout is None or time.monotonic() - start < opts.timeout:
         with objective.study_lock:
             if opts.retry:
                 retry_dead(study, opts.directory, opts.max_retries)
             if enough(study, opts.n_trials):
+                if not ran:
+                    show.nothing_to_run(study, opts.n_trials)
                 return
             if opts.own_sampler:  # drawn for this trial's number
                 study.sampler = default_sampler(optuna, opts.seed, len(study.trials))
             try:
+                ran = True
                 study.optimize(objective, n_trials=1, catch=(_SuspendedError,))
             finally:  # after Optuna's tell: the trial is no longer RUNNING
                 objective.trial_lock.release()
@@ -261,8 +265,9 @@ def load_best(
     if not files:
         raise ValueError(
             f"load_best: the best trial ({best.number}) has no checkpoint in "
-            f"{str(run_dir)!r}. Fix: pass the directory the search ran in, "
-            "e.g. load_best(study, make_learner, directory='runs/digits')."
+            f"{str(run_dir)!r}. Fix: pass the directory given to search() "
+            "(its run directories hold the checkpoints): load_best(study, "
+            "make_learner, directory=<that directory>)."
         )
     seed_everything(seed + lineage(best))
     learn = make_learner(optuna.trial.FixedTrial(best.params, best.number))

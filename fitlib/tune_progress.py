@@ -19,6 +19,17 @@ class TrialProgress:
         self.handle: Any = None
         self.notebook = self.on and in_notebook()
 
+    def nothing_to_run(self, study: Any, n_trials: int) -> None:
+        """One line when the study already holds its trials (a rerun of a
+        finished search): silence would read as a hang or a failure."""
+        if not self.on:
+            return
+        best = best_trial(study)
+        said = "" if best is None else f"; best: trial {best.number}, "
+        said += "" if best is None else f"{self.monitor}={best.value:.6g}"
+        print(f"search: the study already holds its {n_trials} trials: nothing to "
+              f"run{said}", flush=True)  # fmt: skip
+
     def trial_done(self, study: Any, frozen: Any) -> None:
         if not self.on or frozen is None:
             return

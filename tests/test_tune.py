@@ -159,7 +159,8 @@ def test_best_learner_holds_the_weights_that_scored_with_an_ema(
 
 def test_load_best_without_checkpoints_names_the_directory(tmp_path):
     found = run(tmp_path, 1)
-    with pytest.raises(ValueError, match=r"has no checkpoint in .*elsewhere"):
+    with pytest.raises(ValueError, match=r"has no checkpoint in .*elsewhere.*Fix: "
+                       r"pass the directory given to search\(\)"):  # fmt: skip
         load_best(found.study, make_learner, tmp_path / "elsewhere")
 
 
@@ -414,3 +415,17 @@ def test_three_workers_share_one_study_without_losing_or_repeating_a_trial(tmp_p
     ran = [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
     assert sorted(int(number) for number, _, _ in ran) == list(range(9))
     assert len({pid for _, _, pid in ran}) >= 2  # several workers ran trials
+
+
+def test_a_rerun_of_a_finished_search_says_there_is_nothing_to_run(tmp_path, capsys):
+    found = run(tmp_path, 2)
+    capsys.readouterr()
+    run(tmp_path, 2, progress=None)  # a terminal's default: lines
+    out = capsys.readouterr().out
+    best = found.study.best_trial
+    assert out == (
+        f"search: the study already holds its 2 trials: nothing to run; best: "
+        f"trial {best.number}, valid_loss={best.value:.6g}\n"
+    )
+    run(tmp_path, 2)  # progress=False: silent
+    assert capsys.readouterr().out == ""
