@@ -9,14 +9,15 @@ under ActivationCheckpointing): it trains with a Checkpoint every 2 steps
 the final weights and the Recorder's losses to RESULT_FILE. Saves and
 batches are slowed down so that a kill at a random moment often lands inside
 a write. The tests run ``train`` in their own process for the unbroken
-reference.
+reference; ``killed_and_resumed_equal`` is the check they share.
 """
 
 import sys
 import time
+from pathlib import Path
 
 import torch
-from helpers import make_dataset
+from helpers import child_env, kill_until_done, make_dataset
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import fitlib.serialization
 from fitlib import Callback, DataBunch, Learner
 from fitlib.callbacks import ActivationCheckpointing, Checkpoint, ProgressiveResizing
+from fitlib.serialization import safe_load
 
 real_save = torch.save
 
@@ -84,6 +86,20 @@ def train(mode: str, ckpt_dir: str) -> dict:
     rec = learn.recorder
     return {"weights": learn.model.state_dict(), "losses": rec.losses,
             "valid_losses": rec.valid_losses}  # fmt: skip
+
+
+def killed_and_resumed_equal(tmp_path: Path, mode: str, seed: int) -> None:
+    """This script in ``mode``, killed with SIGKILL at random moments and rerun
+    until done, ends with the losses and weights of an unbroken run."""
+    ref = train(mode, str(tmp_path / "ref"))  # unbroken, in the test's process
+    cmd = [sys.executable, __file__, mode, str(tmp_path / "ckpt"),
+           str(tmp_path / "run.pth")]  # fmt: skip
+    kills = kill_until_done(cmd, child_env(), seed=seed, kills=3)
+    assert kills >= 2, "the run was too fast to kill: slow recipes_child.py down"
+    run_ = safe_load(tmp_path / "run.pth")
+    assert run_["losses"] == ref["losses"]
+    assert run_["valid_losses"] == ref["valid_losses"]
+    assert all(torch.equal(run_["weights"][k], v) for k, v in ref["weights"].items())
 
 
 def main(mode: str, ckpt_dir: str, result: str) -> None:

@@ -3,13 +3,12 @@ the same gradients as the plain model, a lower peak of memory, nothing left
 on the model after the fit."""
 
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Crash, child_env, kill_until_done, make_data
-from recipes_child import train
+from helpers import Crash, make_data
+from recipes_child import killed_and_resumed_equal
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.profiler import ProfilerActivity, profile
@@ -21,7 +20,6 @@ from fitlib.callbacks import (
     Compile,
     MixedPrecision,
 )
-from fitlib.serialization import safe_load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = Path(__file__).parent
@@ -353,15 +351,7 @@ def test_refuses_bad_arguments_with_the_fix(kwargs, match):
 
 # -- exact resume --------------------------------------------------------------------
 def test_killed_with_sigkill_at_random_moments_the_run_ends_identical(tmp_path):
-    ref = train("checkpointing", str(tmp_path / "ref"))  # unbroken, in this process
-    cmd = [sys.executable, str(HERE / "recipes_child.py"), "checkpointing",
-           str(tmp_path / "ckpt"), str(tmp_path / "run.pth")]  # fmt: skip
-    kills = kill_until_done(cmd, child_env(), seed=32, kills=3)
-    assert kills >= 2, "the run was too fast to kill: slow recipes_child.py down"
-    run_ = safe_load(tmp_path / "run.pth")
-    assert run_["losses"] == ref["losses"]
-    assert run_["valid_losses"] == ref["valid_losses"]
-    assert all(torch.equal(run_["weights"][k], v) for k, v in ref["weights"].items())
+    killed_and_resumed_equal(tmp_path, "checkpointing", seed=32)
 
 
 # -- CUDA ------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ import re
 import pytest
 import torch
 from helpers import Crash, clone_params, make_dataset
-from mixing_child import killed_and_resumed, reference_lams
+from mixing_child import BackwardLoss, Penalty, killed_and_resumed, reference_lams
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
@@ -42,27 +42,6 @@ class Spy(Callback):
     def on_loss_begin(self, last_input, train):
         if train:
             self.seen.append(last_input.clone())
-
-
-class Penalty(Callback):
-    """A loss term at the order change-a-training-step.md gives loss terms."""
-
-    order = -35
-
-    def on_backward_begin(self, last_loss):
-        return {"last_loss": last_loss + 100.0}
-
-
-class BackwardLoss(Callback):
-    """Keeps the loss backward() gets, before GradientAccumulation (-30)."""
-
-    order = -33
-
-    def __init__(self):
-        self.seen = []
-
-    def on_backward_begin(self, last_loss):
-        self.seen.append(last_loss.detach().clone())
 
 
 @pytest.mark.parametrize("targets", ["loss", "soft"])

@@ -3,7 +3,7 @@ import functools
 import pytest
 import torch
 from helpers import Crash, clone_params, make_dataset
-from mixing_child import killed_and_resumed, reference_lams
+from mixing_child import BackwardLoss, Penalty, killed_and_resumed, reference_lams
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
@@ -109,27 +109,6 @@ def test_the_mixed_loss_is_what_gradient_accumulation_scales(precision):
             opt.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q)
-
-
-class Penalty(Callback):
-    """A loss term at the order change-a-training-step.md gives loss terms."""
-
-    order = -35
-
-    def on_backward_begin(self, last_loss):
-        return {"last_loss": last_loss + 100.0}
-
-
-class BackwardLoss(Callback):
-    """Keeps the loss backward() gets, before GradientAccumulation (-30)."""
-
-    order = -33
-
-    def __init__(self):
-        self.seen = []
-
-    def on_backward_begin(self, last_loss):
-        self.seen.append(last_loss.detach().clone())
 
 
 @pytest.mark.parametrize("targets", ["loss", "soft"])

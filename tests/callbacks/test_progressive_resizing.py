@@ -1,13 +1,12 @@
 """ProgressiveResizing: training images resized by a schedule of epochs, in
 few sizes, exact on resume; validation at the loader's size."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Crash, child_env, kill_until_done
-from recipes_child import train
+from helpers import Crash
+from recipes_child import killed_and_resumed_equal
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,7 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from fitlib import Callback, DataBunch, HPOptimizer, Learner, fit
 from fitlib.callbacks import ChannelsLast, Checkpoint, Compile, ProgressiveResizing
 from fitlib.callbacks import CudaGraph as FitlibCudaGraph
-from fitlib.serialization import safe_load
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = Path(__file__).parent
@@ -354,15 +352,7 @@ def test_a_run_crashed_mid_fit_resumes_to_the_unbroken_runs_weights(tmp_path):
 
 
 def test_killed_with_sigkill_at_random_moments_the_run_ends_identical(tmp_path):
-    ref = train("resize", str(tmp_path / "ref"))  # unbroken, in this process
-    cmd = [sys.executable, str(HERE / "recipes_child.py"), "resize",
-           str(tmp_path / "ckpt"), str(tmp_path / "run.pth")]  # fmt: skip
-    kills = kill_until_done(cmd, child_env(), seed=31, kills=3)
-    assert kills >= 2, "the run was too fast to kill: slow recipes_child.py down"
-    run_ = safe_load(tmp_path / "run.pth")
-    assert run_["losses"] == ref["losses"]
-    assert run_["valid_losses"] == ref["valid_losses"]
-    assert all(torch.equal(run_["weights"][k], v) for k, v in ref["weights"].items())
+    killed_and_resumed_equal(tmp_path, "resize", seed=31)
 
 
 # -- CUDA ----------------------------------------------------------------------------
